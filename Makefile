@@ -1,0 +1,54 @@
+# midflight — the two commands of the README are `make demo` and `make test`.
+# Every target bootstraps .venv from constraints.txt when it is missing or stale.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+PYTEST_FLAGS ?=
+
+.PHONY: setup demo test lint typecheck pytest docs docs-serve soak lock clean
+
+$(STAMP): pyproject.toml constraints.txt
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "midflight needs python3 >= 3.11, found " + sys.version.split()[0])'
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev]'
+	@touch $(STAMP)
+
+setup: $(STAMP)
+
+## The main job: until the crash-restore drill lands, a scripted tour of what is built.
+demo: $(STAMP)
+	$(BIN)/midflight demo
+
+## The fast tier (CI): lint, types, tests, the docs build.
+test: lint typecheck pytest docs
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+pytest: $(STAMP)
+	$(BIN)/pytest -m "not soak" $(PYTEST_FLAGS)
+
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/.site
+
+docs-serve: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
+## The long tier: many hypothesis examples and the big runs. Not in CI.
+soak: $(STAMP)
+	MIDFLIGHT_SOAK=1 HYPOTHESIS_PROFILE=soak $(BIN)/pytest $(PYTEST_FLAGS)
+
+## Re-pin constraints.txt from the current .venv (after changing dependencies).
+lock: $(STAMP)
+	@{ echo "# Pinned versions of every dependency (runtime and dev). make installs with -c constraints.txt."; \
+	   echo "# Regenerate after changing pyproject.toml: make lock"; \
+	   $(BIN)/python -m pip freeze --exclude-editable | grep -v -E '^(pip|setuptools|wheel)=='; } > constraints.txt
+
+clean:
+	rm -rf $(VENV) .site .pytest_cache .mypy_cache .ruff_cache

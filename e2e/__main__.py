@@ -1,0 +1,5 @@
+"""``python -m e2e`` runs the ``midflight`` command line."""
+
+from ._cli import main
+
+main()

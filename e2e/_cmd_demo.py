@@ -1,0 +1,144 @@
+"""``midflight demo``: a short scripted tour of what is built so far.
+
+It writes one participant's share of a checkpoint, reads it back verified, shows that a repeat
+is idempotent and a conflicting commit is refused, then flips one byte and shows the read refuse
+it. It is the README's main command until the crash-restore drill exists.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from participants import RecordsWriter, read_participant_checkpoint
+from protocols import (
+    ERROR_TABLE,
+    PHASE_TRANSITIONS,
+    PREPARE_ORDER,
+    EpisodeId,
+    MidflightError,
+    participant_directory,
+    task_digest,
+)
+
+from ._output import JsonOption, console, emit
+
+
+def _episode_records(count: int) -> list[dict[str, Any]]:
+    records = []
+    for index in range(count):
+        episode = EpisodeId(rollout_id=f"demo-{index:03d}", attempt=index % 2)
+        task = {"taskset": "counter", "task_id": episode.rollout_id}
+        records.append(
+            {
+                "episode_id": episode.model_dump(),
+                "task_digest": task_digest(task),
+                "boundary": {"next": "invoke_agent", "activation": 1 + index % 2},
+            }
+        )
+    return records
+
+
+def run_demo(root: Path, *, records: int = 5) -> dict[str, Any]:
+    """Run the tour in ``root`` and return what it observed."""
+    directory = Path(participant_directory(root / "ckpt-1", "environment", "environment"))
+    episodes = _episode_records(records)
+
+    def writer(checkpoint_id: str) -> RecordsWriter:
+        return RecordsWriter(
+            directory, kind="environment", instance="environment", checkpoint_id=checkpoint_id
+        )
+
+    manifest = writer("ckpt-1").write(episodes)
+    share = read_participant_checkpoint(directory, kind="environment", instance="environment")
+    repeat = writer("ckpt-1").write(episodes)
+    try:
+        writer("ckpt-1").write(episodes[:1])
+        conflict = "accepted (wrong!)"
+    except MidflightError as exc:
+        conflict = exc.code
+    stopped = writer("ckpt-1")
+    stopped.stop()
+    try:
+        stopped.write(episodes)
+        stop_result = "published (wrong!)"
+    except MidflightError as exc:
+        stop_result = exc.code
+
+    records_path = directory / manifest["records_file"]
+    data = bytearray(records_path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    records_path.write_bytes(bytes(data))
+    try:
+        read_participant_checkpoint(directory, kind="environment", instance="environment")
+        corrupt = "accepted (wrong!)"
+    except MidflightError as exc:
+        corrupt = f"{exc.code}: {exc.detail}"
+    return {
+        "manifest": manifest,
+        "records_read": len(share.records),
+        "round_trip_equal": share.records == episodes,
+        "repeat_identical": repeat == manifest,
+        "conflicting_commit": conflict,
+        "stopped_write": stop_result,
+        "corrupt_read": corrupt,
+        "prepare_order": list(PREPARE_ORDER),
+        "phase_transitions": len(PHASE_TRANSITIONS),
+        "error_codes": len(ERROR_TABLE),
+    }
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``demo`` to the app."""
+
+    @app.command("demo")
+    def demo_command(
+        directory: Annotated[
+            Path | None,
+            typer.Option("--dir", help="Write here instead of a temporary directory."),
+        ] = None,
+        records: Annotated[int, typer.Option(min=1, help="Episode records to write.")] = 5,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Write, verify and corrupt one participant's share of a checkpoint."""
+        with tempfile.TemporaryDirectory(prefix="midflight-demo-") as scratch:
+            result = run_demo(directory or Path(scratch), records=records)
+
+        def render() -> None:
+            table = Table(title="midflight demo: one participant's share of a checkpoint")
+            table.add_column("step")
+            table.add_column("outcome")
+            m = result["manifest"]
+            table.add_row(
+                "write records + manifest", f"{m['record_count']} records, {m['records_file']}"
+            )
+            table.add_row(
+                "read back, digest and count verified",
+                f"{result['records_read']} records, equal: {result['round_trip_equal']}",
+            )
+            table.add_row("repeat the same commit", f"same manifest: {result['repeat_identical']}")
+            table.add_row(
+                "a different commit into the same directory", result["conflicting_commit"]
+            )
+            table.add_row("a write stopped before publication", result["stopped_write"])
+            table.add_row("flip one byte of the records, read again", result["corrupt_read"])
+            table.add_row("prepare order", " → ".join(result["prepare_order"]))
+            table.add_row(
+                "phase table / error table",
+                f"{result['phase_transitions']} transitions, {result['error_codes']} codes",
+            )
+            console.print(table)
+
+        emit(result, as_json=as_json, render=render)
+        ok = (
+            result["round_trip_equal"]
+            and result["repeat_identical"]
+            and result["conflicting_commit"] == "invalid_checkpoint_state"
+            and result["stopped_write"] == "invalid_checkpoint_state"
+            and result["corrupt_read"].startswith("invalid_checkpoint_state")
+        )
+        raise typer.Exit(0 if ok else 1)

@@ -1,0 +1,165 @@
+"""Identities: rollout ids, attempts, episode ids, capture keys, checkpoint ids.
+
+A rollout is the logical unit a training controller schedules; an attempt is one physical
+execution of it. ``EpisodeId`` names an attempt, and its capture key is the string form used in
+URLs, blocker lists and ledger file names: ``<rollout>`` for attempt 0, ``<rollout>-a<N>`` after.
+Rollout ids may not end in ``-a<N>`` themselves, so the key always inverts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Annotated, Final, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+from ._errors import InvalidRolloutIdError
+
+SAFE_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+_SAFE_NAME = re.compile(SAFE_NAME_PATTERN)
+_ATTEMPT_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
+MAX_CHECKPOINT_ID_LENGTH: Final = 128
+
+
+def validate_rollout_id(rollout_id: object) -> str:
+    """Check one rollout id and return it.
+
+    A rollout id starts with an ASCII letter or digit, continues with letters, digits, ``.``,
+    ``_`` or ``-``, and does not end in the reserved attempt suffix ``-a<N>`` (N ≥ 1, no leading
+    zero), which would make its capture key ambiguous.
+
+    Raises:
+        InvalidRolloutIdError: The id is not a string or breaks a rule.
+    """
+    if not isinstance(rollout_id, str):
+        raise InvalidRolloutIdError(
+            f"a rollout id must be a string, not {type(rollout_id).__name__}"
+        )
+    if not _SAFE_NAME.fullmatch(rollout_id):
+        raise InvalidRolloutIdError(
+            f"invalid rollout id {rollout_id[:200]!r}: use letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    if _ATTEMPT_SUFFIX.search(rollout_id):
+        raise InvalidRolloutIdError(
+            f"invalid rollout id {rollout_id!r}: the suffix -a<N> is reserved for capture keys"
+        )
+    return rollout_id
+
+
+def validate_rollout_ids(rollout_ids: Iterable[str]) -> list[str]:
+    """Check a whole batch of rollout ids before anything acts on any of them.
+
+    Returns:
+        The ids de-duplicated, first occurrence kept.
+
+    Raises:
+        TypeError: A bare string was passed where a sequence of rollout ids was expected.
+        InvalidRolloutIdError: Any id breaks a rule; the whole batch is refused.
+    """
+    if isinstance(rollout_ids, str | bytes):
+        raise TypeError("expected a sequence of rollout ids, got a bare string")
+    checked = [validate_rollout_id(rollout_id) for rollout_id in rollout_ids]
+    return list(dict.fromkeys(checked))
+
+
+def validate_safe_name(value: str, *, what: str) -> str:
+    """Check a name that becomes a path component (an instance, a kind, a checkpoint id).
+
+    Raises:
+        ValueError: The name could escape its directory or is empty.
+    """
+    if not _SAFE_NAME.fullmatch(value):
+        raise ValueError(
+            f"{what} {value[:200]!r} is not a safe name: use letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return value
+
+
+def validate_checkpoint_id(checkpoint_id: str) -> str:
+    """Check a checkpoint id: a safe name of 1 to 128 characters.
+
+    Raises:
+        ValueError: The id is too long or not a safe name.
+    """
+    if len(checkpoint_id) > MAX_CHECKPOINT_ID_LENGTH:
+        raise ValueError(f"checkpoint id longer than {MAX_CHECKPOINT_ID_LENGTH} characters")
+    return validate_safe_name(checkpoint_id, what="checkpoint id")
+
+
+def _rollout_id_field(value: str) -> str:
+    try:
+        return validate_rollout_id(value)
+    except InvalidRolloutIdError as exc:
+        raise ValueError(exc.detail) from None
+
+
+RolloutId = Annotated[str, AfterValidator(_rollout_id_field)]
+"""A rollout id inside a wire model; a bad one fails model validation."""
+
+CheckpointId = Annotated[str, AfterValidator(validate_checkpoint_id)]
+"""A checkpoint id inside a wire model."""
+
+InstanceName = Annotated[str, AfterValidator(lambda v: validate_safe_name(v, what="instance"))]
+"""A participant instance name; it is a path component of the checkpoint layout."""
+
+
+class EpisodeId(BaseModel):
+    """One physical attempt of a rollout.
+
+    Attributes:
+        rollout_id: The logical rollout, stable across retries and restores.
+        attempt: Which execution of the rollout this is; 0 for the first.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    rollout_id: RolloutId
+    attempt: int = Field(default=0, ge=0)
+
+    @property
+    def capture_key(self) -> str:
+        """``<rollout>`` for attempt 0, ``<rollout>-a<N>`` otherwise."""
+        return self.rollout_id if self.attempt == 0 else f"{self.rollout_id}-a{self.attempt}"
+
+    @classmethod
+    def from_capture_key(cls, capture_key: str) -> Self:
+        """Invert :attr:`capture_key`.
+
+        Raises:
+            InvalidRolloutIdError: The key is malformed.
+        """
+        if not isinstance(capture_key, str) or not _SAFE_NAME.fullmatch(capture_key):
+            raise InvalidRolloutIdError(f"invalid capture key {str(capture_key)[:200]!r}")
+        match = _ATTEMPT_SUFFIX.search(capture_key)
+        if match is None:
+            return cls(rollout_id=capture_key, attempt=0)
+        rollout_id = capture_key[: match.start()]
+        validate_rollout_id(rollout_id)
+        return cls(rollout_id=rollout_id, attempt=int(match.group(1)))
+
+    def next_attempt(self) -> Self:
+        """The same rollout, one attempt later: what a restore installs a record under."""
+        return type(self)(rollout_id=self.rollout_id, attempt=self.attempt + 1)
+
+    def covers(self, other: EpisodeId) -> bool:
+        """Whether retiring this attempt also retires ``other``.
+
+        Retiring attempt N of a rollout discards every attempt of it up to and including N.
+        """
+        return other.rollout_id == self.rollout_id and other.attempt <= self.attempt
+
+    def __str__(self) -> str:
+        return self.capture_key
+
+
+def capture_key(rollout_id: str, attempt: int = 0) -> str:
+    """The capture key of ``(rollout_id, attempt)``, validating both."""
+    return EpisodeId(rollout_id=rollout_id, attempt=attempt).capture_key
+
+
+def sorted_capture_keys(episode_ids: Iterable[EpisodeId]) -> list[str]:
+    """The sorted, de-duplicated capture keys of some episodes: how scopes are compared."""
+    return sorted({episode.capture_key for episode in episode_ids})

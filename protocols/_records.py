@@ -1,0 +1,151 @@
+"""The checkpoint storage format: records lines, participant manifests, digests, the layout.
+
+A participant's share of a checkpoint is one records file (one JSON object per line) and one
+``manifest.json`` that names the file by its SHA-256 and counts its lines. These functions are
+the pure half of that format; the writer and reader that touch disk live in ``participants``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Mapping
+from pathlib import PurePath
+from typing import Any, Final, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ._ids import InstanceName, validate_safe_name
+from ._phases import PARTICIPANT_KINDS, ParticipantKind
+
+MANIFEST_SCHEMA_VERSION: Final = 1
+MANIFEST_FILE: Final = "manifest.json"
+RECORDS_FILE_PATTERN: Final = r"^records(-[0-9a-f]{64})?\.jsonl$"
+"""Records file names a reader accepts; ``records.jsonl`` is the name older checkpoints used."""
+_RECORDS_FILE = re.compile(RECORDS_FILE_PATTERN)
+SHA256_HEX_PATTERN: Final = r"^[0-9a-f]{64}$"
+MANIFEST_CORE_FIELDS: Final = frozenset(
+    {
+        "schema_version",
+        "kind",
+        "instance",
+        "checkpoint_id",
+        "records_file",
+        "records_sha256",
+        "record_count",
+    }
+)
+PARTICIPANTS_SUBDIR: Final = "gym"
+
+
+class ParticipantManifest(BaseModel):
+    """The ``manifest.json`` of one participant's share of a checkpoint.
+
+    Participant extras (for example the model's staging keys) ride alongside the core fields and
+    may not shadow them.
+    """
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    schema_version: Literal[1]
+    kind: ParticipantKind
+    instance: InstanceName
+    checkpoint_id: str
+    records_file: str = Field(pattern=RECORDS_FILE_PATTERN)
+    records_sha256: str = Field(pattern=SHA256_HEX_PATTERN)
+    record_count: int = Field(ge=0)
+
+
+def records_file_name(records_sha256: str) -> str:
+    """The published name of a records file with this digest."""
+    if not re.fullmatch(SHA256_HEX_PATTERN, records_sha256):
+        raise ValueError(f"not a SHA-256 hex digest: {records_sha256!r}")
+    return f"records-{records_sha256}.jsonl"
+
+
+def is_records_file_name(name: str) -> bool:
+    """Whether a manifest may name this file (guards against paths leaving the directory)."""
+    return _RECORDS_FILE.fullmatch(name) is not None
+
+
+def encode_record_line(record: Mapping[str, Any]) -> bytes:
+    """One records-file line: default ``json.dumps`` spacing, non-ASCII escaped, then ``\\n``.
+
+    Key order is kept as given, because restored state is often re-rendered to a model.
+
+    Raises:
+        ValueError: The record holds a non-finite number or something that is not JSON.
+        TypeError: The record holds a value JSON cannot encode.
+    """
+    return json.dumps(record, allow_nan=False).encode("ascii") + b"\n"
+
+
+def decode_record_line(line: bytes) -> dict[str, Any]:
+    """Parse one records-file line. ``NaN`` and ``Infinity`` are accepted on read.
+
+    Raises:
+        ValueError: The line is not a JSON object.
+    """
+    value = json.loads(line)
+    if not isinstance(value, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def build_manifest(
+    *,
+    kind: ParticipantKind,
+    instance: str,
+    checkpoint_id: str,
+    records_sha256: str,
+    record_count: int,
+    extra: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The manifest object for a records file, participant extras merged after the core fields.
+
+    Raises:
+        ValueError: An extra would shadow a core field, or a name is unsafe.
+    """
+    if kind not in PARTICIPANT_KINDS:
+        raise ValueError(f"unknown participant kind {kind!r}")
+    validate_safe_name(instance, what="instance")
+    manifest: dict[str, Any] = {
+        "schema_version": MANIFEST_SCHEMA_VERSION,
+        "kind": kind,
+        "instance": instance,
+        "checkpoint_id": checkpoint_id,
+        "records_file": records_file_name(records_sha256),
+        "records_sha256": records_sha256,
+        "record_count": record_count,
+    }
+    shadowed = MANIFEST_CORE_FIELDS.intersection(extra or {})
+    if shadowed:
+        raise ValueError(f"participant extras may not shadow core fields: {sorted(shadowed)}")
+    manifest.update(extra or {})
+    return manifest
+
+
+def serialize_manifest(manifest: Mapping[str, Any]) -> bytes:
+    """The exact bytes of ``manifest.json``: sorted keys, indent 1, ASCII, no trailing newline."""
+    return json.dumps(
+        manifest, sort_keys=True, indent=1, ensure_ascii=True, allow_nan=False
+    ).encode("ascii")
+
+
+def participant_directory(checkpoint_dir: PurePath, kind: str, instance: str) -> PurePath:
+    """``<checkpoint>/gym/<kind>/<instance>``: where one participant's share lives.
+
+    Raises:
+        ValueError: The kind is unknown or the instance is not a safe path component.
+    """
+    if kind not in PARTICIPANT_KINDS:
+        raise ValueError(f"unknown participant kind {kind!r}")
+    validate_safe_name(instance, what="instance")
+    return checkpoint_dir / PARTICIPANTS_SUBDIR / kind / instance
+
+
+def task_digest(task: Any) -> str:
+    """SHA-256 hex of a task as canonical JSON: sorted keys, compact separators, ASCII."""
+    canonical = json.dumps(task, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("ascii")).hexdigest()

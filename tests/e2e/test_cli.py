@@ -1,0 +1,48 @@
+"""The command line: help, version, the demo, and --json on each."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from e2e import build_app
+
+runner = CliRunner()
+
+
+def test_help_lists_the_registered_commands() -> None:
+    result = runner.invoke(build_app(), ["--help"])
+    assert result.exit_code == 0
+    assert "version" in result.output and "demo" in result.output
+
+
+def test_version_json() -> None:
+    result = runner.invoke(build_app(), ["version", "--json"])
+    assert result.exit_code == 0
+    assert json.loads(result.output)["midflight"] == version("midflight")
+
+
+def test_demo_json_shows_every_storage_rule(tmp_path: Path) -> None:
+    result = runner.invoke(
+        build_app(), ["demo", "--json", "--dir", str(tmp_path), "--records", "7"]
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["manifest"]["record_count"] == 7
+    assert payload["round_trip_equal"] and payload["repeat_identical"]
+    assert payload["conflicting_commit"] == "invalid_checkpoint_state"
+    assert payload["stopped_write"] == "invalid_checkpoint_state"
+    assert payload["corrupt_read"].startswith("invalid_checkpoint_state")
+
+
+def test_the_installed_script_runs() -> None:
+    script = Path(sys.executable).with_name("midflight")
+    completed = subprocess.run(
+        [str(script), "version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert completed.stdout.startswith("midflight ")

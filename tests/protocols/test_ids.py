@@ -1,0 +1,118 @@
+"""Identity rules: rollout ids, capture keys, attempts, covers, checkpoint ids."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from protocols import (
+    EpisodeId,
+    InvalidRolloutIdError,
+    capture_key,
+    sorted_capture_keys,
+    validate_checkpoint_id,
+    validate_rollout_id,
+    validate_rollout_ids,
+)
+
+VALID = ["a", "Z9", "rollout-1", "r.x_y-z", "x-a0", "x-a01", "x-ab1", "a-a", "7"]
+INVALID = ["", "-a", ".a", "_a", "a b", "a/b", "é", "a-a1", "run-a12", "x\n", "a:b", "a-a9"]
+
+
+@pytest.mark.parametrize("rollout_id", VALID)
+def test_valid_rollout_ids_pass(rollout_id: str) -> None:
+    assert validate_rollout_id(rollout_id) == rollout_id
+    assert EpisodeId(rollout_id=rollout_id).rollout_id == rollout_id
+
+
+@pytest.mark.parametrize("rollout_id", INVALID)
+def test_invalid_rollout_ids_fail(rollout_id: str) -> None:
+    with pytest.raises(InvalidRolloutIdError):
+        validate_rollout_id(rollout_id)
+    with pytest.raises(ValidationError):
+        EpisodeId(rollout_id=rollout_id)
+
+
+def test_the_attempt_suffix_is_reserved() -> None:
+    with pytest.raises(InvalidRolloutIdError, match="reserved"):
+        validate_rollout_id("rollout-a3")
+
+
+def test_a_non_string_rollout_id_fails() -> None:
+    with pytest.raises(InvalidRolloutIdError):
+        validate_rollout_id(12)
+
+
+def test_a_bare_string_is_not_a_batch() -> None:
+    with pytest.raises(TypeError, match="sequence of rollout ids"):
+        validate_rollout_ids("abc")
+
+
+def test_a_batch_is_validated_whole_and_deduplicated_in_order() -> None:
+    assert validate_rollout_ids(["b", "a", "b", "c", "a"]) == ["b", "a", "c"]
+    with pytest.raises(InvalidRolloutIdError):
+        validate_rollout_ids(["a", "b", "bad id"])
+
+
+def test_capture_keys() -> None:
+    assert EpisodeId(rollout_id="r").capture_key == "r"
+    assert EpisodeId(rollout_id="r", attempt=1).capture_key == "r-a1"
+    assert capture_key("r", 12) == "r-a12"
+    assert EpisodeId.from_capture_key("r-a12") == EpisodeId(rollout_id="r", attempt=12)
+    assert EpisodeId.from_capture_key("r") == EpisodeId(rollout_id="r", attempt=0)
+    # "-a0" and leading zeros are not attempt suffixes, so such keys are attempt 0 of themselves.
+    assert EpisodeId.from_capture_key("r-a0") == EpisodeId(rollout_id="r-a0", attempt=0)
+    assert EpisodeId.from_capture_key("r-a01") == EpisodeId(rollout_id="r-a01", attempt=0)
+
+
+@pytest.mark.parametrize("key", ["", "a b", "-a1", "x-a1-a2", "r-a1/../x"])
+def test_malformed_capture_keys_fail(key: str) -> None:
+    with pytest.raises(InvalidRolloutIdError):
+        EpisodeId.from_capture_key(key)
+
+
+rollout_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,30}\Z").filter(
+    lambda s: not __import__("re").search(r"-a[1-9][0-9]*$", s)
+)
+
+
+@given(rollout_ids, st.integers(min_value=0, max_value=10**9))
+def test_capture_key_round_trips(rollout_id: str, attempt: int) -> None:
+    episode = EpisodeId(rollout_id=rollout_id, attempt=attempt)
+    assert EpisodeId.from_capture_key(episode.capture_key) == episode
+
+
+def test_attempts_are_non_negative() -> None:
+    with pytest.raises(ValidationError):
+        EpisodeId(rollout_id="r", attempt=-1)
+
+
+def test_episode_ids_are_frozen_and_strict() -> None:
+    episode = EpisodeId(rollout_id="r", attempt=2)
+    with pytest.raises(ValidationError):
+        episode.attempt = 3  # type: ignore[misc]
+    with pytest.raises(ValidationError):
+        EpisodeId.model_validate({"rollout_id": "r", "attempt": 0, "extra": 1})
+
+
+def test_next_attempt_and_covers() -> None:
+    episode = EpisodeId(rollout_id="r", attempt=2)
+    assert episode.next_attempt() == EpisodeId(rollout_id="r", attempt=3)
+    assert episode.covers(EpisodeId(rollout_id="r", attempt=0))
+    assert episode.covers(EpisodeId(rollout_id="r", attempt=2))
+    assert not episode.covers(EpisodeId(rollout_id="r", attempt=3))
+    assert not episode.covers(EpisodeId(rollout_id="r2", attempt=0))
+
+
+def test_scopes_compare_as_sorted_keys() -> None:
+    a = [EpisodeId(rollout_id="b"), EpisodeId(rollout_id="a", attempt=1), EpisodeId(rollout_id="b")]
+    assert sorted_capture_keys(a) == ["a-a1", "b"]
+
+
+def test_checkpoint_ids() -> None:
+    assert validate_checkpoint_id("c" * 128) == "c" * 128
+    for bad in ["", "c" * 129, "../x", ".hidden", "a/b"]:
+        with pytest.raises(ValueError, match="checkpoint id"):
+            validate_checkpoint_id(bad)

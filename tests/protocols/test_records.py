@@ -1,0 +1,129 @@
+"""The records-line and manifest byte formats, the layout and the task digest."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import PurePosixPath
+
+import pytest
+
+from protocols import (
+    build_manifest,
+    decode_record_line,
+    encode_record_line,
+    is_records_file_name,
+    participant_directory,
+    records_file_name,
+    serialize_manifest,
+    task_digest,
+)
+
+DIGEST = "ef2d127de37b942baad06145e54b0c619a1f22327b2ebbcfbec78f5564afe39d"
+
+
+def test_a_line_is_default_json_dumps_with_ascii_escapes_and_key_order_kept() -> None:
+    record = {"z": 1, "a": [1.5, None, True], "text": "héllo", "big": 2**80}
+    assert encode_record_line(record) == (
+        b'{"z": 1, "a": [1.5, null, true], "text": "h\\u00e9llo", '
+        b'"big": 1208925819614629174706176}\n'
+    )
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_numbers_are_refused_on_write(value: float) -> None:
+    with pytest.raises(ValueError):
+        encode_record_line({"x": value})
+
+
+def test_non_finite_numbers_are_accepted_on_read() -> None:
+    record = decode_record_line(b'{"x": NaN, "y": Infinity, "z": -Infinity}\n')
+    assert math.isnan(record["x"]) and record["y"] == math.inf and record["z"] == -math.inf
+
+
+@pytest.mark.parametrize("line", [b"[1, 2]\n", b"3\n", b'"s"\n', b"{broken\n"])
+def test_a_line_must_be_a_json_object(line: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_record_line(line)
+
+
+def test_decoding_keeps_key_order() -> None:
+    assert list(decode_record_line(b'{"b": 1, "a": 2, "c": 3}')) == ["b", "a", "c"]
+
+
+def test_manifest_bytes_are_pinned() -> None:
+    manifest = build_manifest(
+        kind="model",
+        instance="policy",
+        checkpoint_id="ckpt-7",
+        records_sha256=DIGEST,
+        record_count=2,
+        extra={"staging_keys": ["s1"], "note": "é"},
+    )
+    expected = (
+        "{\n"
+        ' "checkpoint_id": "ckpt-7",\n'
+        ' "instance": "policy",\n'
+        ' "kind": "model",\n'
+        ' "note": "\\u00e9",\n'
+        ' "record_count": 2,\n'
+        f' "records_file": "records-{DIGEST}.jsonl",\n'
+        f' "records_sha256": "{DIGEST}",\n'
+        ' "schema_version": 1,\n'
+        ' "staging_keys": [\n'
+        '  "s1"\n'
+        " ]\n"
+        "}"
+    )
+    assert serialize_manifest(manifest) == expected.encode()
+
+
+def test_extras_may_not_shadow_core_fields() -> None:
+    with pytest.raises(ValueError, match="shadow"):
+        build_manifest(
+            kind="model",
+            instance="policy",
+            checkpoint_id="c",
+            records_sha256=DIGEST,
+            record_count=0,
+            extra={"record_count": 5},
+        )
+
+
+def test_records_file_names() -> None:
+    assert records_file_name(DIGEST) == f"records-{DIGEST}.jsonl"
+    assert is_records_file_name(f"records-{DIGEST}.jsonl")
+    assert is_records_file_name("records.jsonl")
+    for bad in [
+        "../records.jsonl",
+        "records-abc.jsonl",
+        "manifest.json",
+        f"x/records-{DIGEST}.jsonl",
+    ]:
+        assert not is_records_file_name(bad)
+    with pytest.raises(ValueError):
+        records_file_name("ABC")
+
+
+def test_participant_directory() -> None:
+    root = PurePosixPath("/c")
+    assert participant_directory(root, "model", "policy") == PurePosixPath("/c/gym/model/policy")
+    for kind, instance in [("model", "../x"), ("model", ""), ("judge", "x"), ("agent", "a/b")]:
+        with pytest.raises(ValueError):
+            participant_directory(root, kind, instance)
+
+
+def test_task_digest_is_sha256_of_canonical_json() -> None:
+    task = {
+        "task_input": {"turns": 2, "activations": 2},
+        "task_id": {"taskset": "counter", "task_id": "r"},
+    }
+    canonical = (
+        '{"task_id":{"task_id":"r","taskset":"counter"},"task_input":{"activations":2,"turns":2}}'
+    )
+    assert task_digest(task) == hashlib.sha256(canonical.encode()).hexdigest()
+    assert (
+        task_digest({"k": "é"})
+        == hashlib.sha256(json.dumps({"k": "é"}).replace(" ", "").encode()).hexdigest()
+    )

@@ -1,0 +1,85 @@
+"""Each package's public surface is pinned: a name that leaks or goes missing fails here.
+
+When you add a public name on purpose, add it to the list below in the same commit.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+
+PUBLIC = {
+    "protocols": [
+        "ALLOWED_PHASES", "CONTROL_PREFIX", "CONTROL_ROUTES", "COORDINATION_REPLY_SLACK_SECONDS",
+        "DEFAULT_LEASE_GRACE_SECONDS", "DEFAULT_MAX_DEADLINE_SECONDS", "ERRORS_BY_CODE",
+        "ERROR_CLASSES", "ERROR_TABLE", "MANIFEST_CORE_FIELDS", "MANIFEST_FILE",
+        "MANIFEST_SCHEMA_VERSION", "MAX_CHECKPOINT_ID_LENGTH", "MAX_REPORTED_BLOCKERS",
+        "OPEN_PHASES", "PARTICIPANTS_SUBDIR", "PARTICIPANT_KINDS", "PHASE_TRANSITIONS",
+        "PREPARE_ORDER", "RECORDS_FILE_PATTERN", "RESTORE_CLEANUP_MIN_SECONDS",
+        "RESUMED_IDS_REMEMBERED", "RESUME_ORDER", "RETIRE_ORDER", "SAFE_NAME_PATTERN",
+        "ActivationOutOfOrderError", "AdmissionClosedError", "CheckpointConflictError",
+        "CheckpointCoordinatorUnavailableError", "CheckpointError", "CheckpointId",
+        "CheckpointOpenError", "CheckpointRequest", "CommitReply", "CommitRequest",
+        "DeadlineExceededError", "DeadlineTs", "EpisodeId", "ErrorDetail", "ErrorEnvelope",
+        "ErrorSpec", "ForgetReply", "ForgetRequest", "InstanceName", "InternalError",
+        "InvalidCheckpointStateError", "InvalidPhaseError", "InvalidRequestError",
+        "InvalidRolloutIdError", "MidflightError", "ParticipantKind", "ParticipantManifest",
+        "Phase", "PhaseEvent", "PrepareReply", "PrepareReport", "RenewReply",
+        "RestartInScopeError", "RestoreReply", "RestoreRequest", "ResumeReply",
+        "RetireIncompleteError", "RetireReply", "RetireRequest", "RolloutId",
+        "RolloutIdRequiredError", "RolloutRetiredError", "StaleAttemptError",
+        "StaleCheckpointError", "StatusReply", "UnauthorizedError", "build_manifest",
+        "capture_key", "decode_record_line", "dump_wire", "encode_record_line",
+        "error_from_envelope", "is_records_file_name", "next_phase", "participant_directory",
+        "records_file_name", "serialize_manifest", "sorted_capture_keys", "task_digest",
+        "validate_checkpoint_id", "validate_rollout_id", "validate_rollout_ids",
+        "validate_safe_name",
+    ],
+    "participants": [
+        "WRITE_STEPS", "ParticipantCheckpoint", "RecordsWriter", "fsync_directory",
+        "make_directory_durable", "read_participant_checkpoint", "write_file_durably",
+    ],
+    "coordinator": [],
+    "e2e": ["build_app", "main"],
+}  # fmt: skip
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    """The order ruff's RUF022 uses: CONSTANTS, then Classes, then functions."""
+    if re.fullmatch(r"[A-Z0-9_]+", name) and len(name) > 1:
+        return (0, name)
+    if name[:1].isupper():
+        return (1, name)
+    return (2, name)
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_all_is_pinned_sorted_and_importable(package: str) -> None:
+    module = importlib.import_module(package)
+    exported = list(module.__all__)
+    assert exported == sorted(exported, key=_isort_key), "keep __all__ sorted"
+    assert sorted(exported) == sorted(PUBLIC[package])
+    for name in exported:
+        assert hasattr(module, name), f"{package}.{name} is in __all__ but missing"
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_no_public_name_leaks_past_all(package: str) -> None:
+    module = importlib.import_module(package)
+    leaked = {
+        name
+        for name, value in vars(module).items()
+        if not name.startswith("_")
+        and getattr(value, "__module__", "").startswith(f"{package}.")
+        and name not in module.__all__
+    }
+    assert leaked == set()
+
+
+@pytest.mark.parametrize("package", sorted(PUBLIC))
+def test_every_package_ships_py_typed(package: str) -> None:
+    from importlib.resources import files
+
+    assert files(package).joinpath("py.typed").is_file()

@@ -1,8 +1,9 @@
 """``midflight demo``: a short scripted tour of what is built so far.
 
-It writes one participant's share of a checkpoint, reads it back verified, shows that a repeat
-is idempotent and a conflicting commit is refused, then flips one byte and shows the read refuse
-it. It is the README's main command until the crash-restore drill exists.
+Part one writes one participant's share of a checkpoint, reads it back verified, shows that a
+repeat is idempotent and a conflicting commit is refused, then flips one byte and shows the read
+refuse it. Part two runs the example participant as a real process through a checkpoint, a
+SIGKILL and a restore. It is the README's main command until the crash-restore drill exists.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from protocols import (
     task_digest,
 )
 
+from ._demo_participant import run_participant_demo
 from ._output import JsonOption, console, emit
 
 
@@ -106,7 +108,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write, verify and corrupt one participant's share of a checkpoint."""
         with tempfile.TemporaryDirectory(prefix="midflight-demo-") as scratch:
-            result = run_demo(directory or Path(scratch), records=records)
+            root = directory or Path(scratch)
+            result = run_demo(root / "storage", records=records)
+            result["participant"] = run_participant_demo(root / "participant")
+        live = result["participant"]
 
         def render() -> None:
             table = Table(title="midflight demo: one participant's share of a checkpoint")
@@ -132,6 +137,23 @@ def register(app: typer.Typer) -> None:
                 f"{result['phase_transitions']} transitions, {result['error_codes']} codes",
             )
             console.print(table)
+            crash = Table(title="midflight demo: the example participant through a crash")
+            crash.add_column("step")
+            crash.add_column("outcome")
+            crash.add_row("control route without the token", str(live["unauthenticated_status"]))
+            crash.add_row("prepare while episodes run", str(live["prepare_phase"]))
+            crash.add_row(
+                "commit", f"{live['manifest_records']} episodes: {live['committed_episodes']}"
+            )
+            crash.add_row("saved steps", str(live["saved_steps"]))
+            crash.add_row(
+                "resume, then prepare the same id",
+                f"{live['resume_phase']}, then {live['prepare_after_resume']}",
+            )
+            crash.add_row("SIGKILL, restore into a fresh process", str(live["restored"]))
+            crash.add_row("the crashed attempt asks to run", str(live["crashed_attempt"]))
+            crash.add_row("the next attempts continue at step", str(live["continued_steps"]))
+            console.print(crash)
 
         emit(result, as_json=as_json, render=render)
         ok = (
@@ -140,5 +162,10 @@ def register(app: typer.Typer) -> None:
             and result["conflicting_commit"] == "invalid_checkpoint_state"
             and result["stopped_write"] == "invalid_checkpoint_state"
             and result["corrupt_read"].startswith("invalid_checkpoint_state")
+            and live["unauthenticated_status"] == 401
+            and live["prepare_phase"] == "prepared"
+            and live["prepare_after_resume"] == "stale_checkpoint"
+            and live["crashed_attempt"] == "stale_attempt"
+            and live["continued_steps"] == live["saved_steps"]
         )
         raise typer.Exit(0 if ok else 1)

@@ -1,22 +1,59 @@
 """The server side of midflight: the building blocks every participant embeds.
 
-So far: durable writing and verified reading of one participant's share of a checkpoint.
+- the control-plane runtime (:class:`ControlPlane`) with its phase machine, lease, idempotent
+  replay, retire marks and checkpoint storage;
+- the participant interface (:class:`Participant`, :class:`BaseParticipant`);
+- the authenticated HTTP router and a participant server app;
+- durable writing and verified reading of one participant's share of a checkpoint.
 """
 
+from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
+from ._http import (
+    authorized,
+    control_router,
+    error_response,
+    install_error_envelope,
+    participant_app,
+)
+from ._jobs import Job
+from ._marks import RetireMarks
+from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
+from ._report import build_report
+from ._runtime import ControlPlane, ControlSettings
 from ._storage import (
     WRITE_STEPS,
     ParticipantCheckpoint,
     RecordsWriter,
     read_participant_checkpoint,
 )
+from ._telemetry import CONTROL_EVENTS, ControlTelemetry
 
 __all__ = [
+    "CONTROL_EVENTS",
     "WRITE_STEPS",
+    "BaseParticipant",
+    "ChangeNotifier",
+    "Clock",
+    "ControlPlane",
+    "ControlSettings",
+    "ControlTelemetry",
+    "Job",
+    "ManualClock",
+    "Participant",
     "ParticipantCheckpoint",
+    "Record",
     "RecordsWriter",
+    "RetireMarks",
+    "SystemClock",
+    "authorized",
+    "build_report",
+    "control_router",
+    "error_response",
     "fsync_directory",
+    "install_error_envelope",
     "make_directory_durable",
+    "participant_app",
     "read_participant_checkpoint",
     "write_file_durably",
 ]

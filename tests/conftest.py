@@ -24,3 +24,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "soak" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests run on asyncio (the backend uvicorn serves on)."""
+    return "asyncio"

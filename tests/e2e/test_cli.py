@@ -8,6 +8,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from e2e import build_app
@@ -27,7 +28,8 @@ def test_version_json() -> None:
     assert json.loads(result.output)["midflight"] == version("midflight")
 
 
-def test_demo_json_shows_every_storage_rule(tmp_path: Path) -> None:
+@pytest.mark.process
+def test_demo_json_shows_every_rule(tmp_path: Path) -> None:
     result = runner.invoke(
         build_app(), ["demo", "--json", "--dir", str(tmp_path), "--records", "7"]
     )
@@ -38,6 +40,11 @@ def test_demo_json_shows_every_storage_rule(tmp_path: Path) -> None:
     assert payload["conflicting_commit"] == "invalid_checkpoint_state"
     assert payload["stopped_write"] == "invalid_checkpoint_state"
     assert payload["corrupt_read"].startswith("invalid_checkpoint_state")
+    live = payload["participant"]
+    assert live["prepare_phase"] == "prepared"
+    assert live["prepare_after_resume"] == "stale_checkpoint"
+    assert live["crashed_attempt"] == "stale_attempt"
+    assert live["continued_steps"] == live["saved_steps"]
 
 
 def test_the_installed_script_runs() -> None:

@@ -1,0 +1,524 @@
+"""The control-plane runtime every participant embeds.
+
+It owns the phase, the active checkpoint id, the lease, idempotent replay, the resumed-id memory,
+retire marks and checkpoint storage; it reaches the participant only through
+:class:`~participants.Participant`. One lock serializes every transition; prepare waits for
+readiness outside it, so a resume can interrupt a waiting prepare.
+
+Admission of a control call checks, in order: a resumed id (``stale_checkpoint``), another active
+id (``checkpoint_conflict``), a stored result to replay, and the phase table (``invalid_phase``).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import anyio
+from anyio.abc import TaskGroup
+from pydantic import BaseModel
+
+from protocols import (
+    ALLOWED_PHASES,
+    DEFAULT_LEASE_GRACE_SECONDS,
+    DEFAULT_MAX_DEADLINE_SECONDS,
+    RESUMED_IDS_REMEMBERED,
+    CheckpointConflictError,
+    CheckpointRequest,
+    CommitReply,
+    CommitRequest,
+    DeadlineExceededError,
+    ForgetReply,
+    ForgetRequest,
+    InvalidPhaseError,
+    InvalidRequestError,
+    MidflightError,
+    Phase,
+    PhaseEvent,
+    PrepareReply,
+    PrepareReport,
+    RenewReply,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    RetireReply,
+    RetireRequest,
+    StaleCheckpointError,
+    StatusReply,
+    next_phase,
+)
+
+from ._clock import Clock, SystemClock, run_until, wait_until
+from ._marks import RetireMarks
+from ._participant import Participant
+from ._telemetry import ControlTelemetry
+from ._transfer import CommitProcedure, RestoreProcedure
+
+R = TypeVar("R", bound=BaseModel)
+
+
+@dataclass(frozen=True, slots=True)
+class ControlSettings:
+    """Tunable limits of the control plane.
+
+    Attributes:
+        lease_grace_seconds: A lease lasts until ``deadline_ts`` plus this.
+        max_deadline_seconds: A ``deadline_ts`` further ahead than this is ``invalid_request``.
+        resume_retry_seconds: After a lease expiry could not reopen, try again this much later.
+        readiness_poll_seconds: A waiting prepare re-checks readiness at least this often.
+    """
+
+    lease_grace_seconds: float = DEFAULT_LEASE_GRACE_SECONDS
+    max_deadline_seconds: float = DEFAULT_MAX_DEADLINE_SECONDS
+    resume_retry_seconds: float = 30.0
+    readiness_poll_seconds: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "lease_grace_seconds",
+            "max_deadline_seconds",
+            "resume_retry_seconds",
+            "readiness_poll_seconds",
+        ):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+class ControlPlane:
+    """Phases, lease, replay, marks and storage for one participant.
+
+    Use ``async with plane.running():`` around serving (it runs the lease watcher and the jobs
+    that may outlive a call), then call the operation methods, usually through the HTTP router.
+
+    Args:
+        participant: The participant whose work this control plane checkpoints.
+        settings: Limits; the defaults of the reference when omitted.
+        clock: Wall-clock time; inject a ``ManualClock`` in tests.
+        telemetry: Metrics and logs; a fresh registry when omitted.
+        on_write_step: Test hook passed to every ``RecordsWriter``.
+    """
+
+    def __init__(
+        self,
+        participant: Participant,
+        *,
+        settings: ControlSettings | None = None,
+        clock: Clock | None = None,
+        telemetry: ControlTelemetry | None = None,
+        on_write_step: Callable[[str], None] | None = None,
+    ) -> None:
+        self.participant = participant
+        self.settings = settings or ControlSettings()
+        self.clock: Clock = clock or SystemClock()
+        self.telemetry = telemetry or ControlTelemetry(participant.kind, participant.instance)
+        self.marks = RetireMarks()
+        participant.attach(self.marks)
+        self.phase = Phase.IDLE
+        self.checkpoint_id: str | None = None
+        self.lease_expires_at: float | None = None
+        self.lock = anyio.Lock()
+        self._resumed: OrderedDict[str, None] = OrderedDict()
+        self._results: dict[tuple[str, str], tuple[Hashable, BaseModel]] = {}
+        self._lease_changed = anyio.Event()
+        self._task_group: TaskGroup | None = None
+        self.commits = CommitProcedure(self, on_write_step=on_write_step)
+        self.restores = RestoreProcedure(self)
+
+    # ----------------------------------------------------------------- lifecycle
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[ControlPlane]:
+        """Run the lease watcher and background jobs for as long as the block lasts."""
+        async with anyio.create_task_group() as group:
+            self._task_group = group
+            group.start_soon(self._watch_lease, name="lease watcher")
+            try:
+                yield self
+            finally:
+                self._task_group = None
+                group.cancel_scope.cancel()
+
+    @property
+    def task_group(self) -> TaskGroup:
+        """Where jobs that may outlive a control call run."""
+        if self._task_group is None:
+            raise RuntimeError("the control plane is not running: use `async with plane.running()`")
+        return self._task_group
+
+    # ----------------------------------------------------------------- shared rules
+
+    def check_deadline(self, deadline_ts: float) -> None:
+        """Refuse a deadline further ahead than the configured horizon."""
+        horizon = self.clock.time() + self.settings.max_deadline_seconds
+        if deadline_ts > horizon:
+            raise InvalidRequestError(
+                f"deadline_ts {deadline_ts} is more than {self.settings.max_deadline_seconds:g} s "
+                "ahead; send an absolute deadline in the near future"
+            )
+
+    def admit(
+        self, checkpoint_id: str, event: PhaseEvent, args: Hashable = None
+    ) -> BaseModel | None:
+        """The admission check; returns a stored result when the call is a replay."""
+        if checkpoint_id in self._resumed:
+            raise StaleCheckpointError(
+                f"checkpoint {checkpoint_id!r} was resumed or its lease expired"
+            )
+        if self.checkpoint_id is not None and self.checkpoint_id != checkpoint_id:
+            raise CheckpointConflictError(
+                f"checkpoint {self.checkpoint_id!r} is active; {checkpoint_id!r} must wait"
+            )
+        stored = self._results.get((checkpoint_id, event.value))
+        if stored is not None:
+            stored_args, reply = stored
+            if stored_args != args:
+                raise CheckpointConflictError(
+                    f"{event.value} of {checkpoint_id!r} already succeeded with other arguments"
+                )
+            return reply
+        if self.phase not in ALLOWED_PHASES[event]:
+            raise InvalidPhaseError(
+                f"{event.value} is not allowed in phase {self.phase.value}"
+                + (" (resume first)" if event in (PhaseEvent.RETIRE, PhaseEvent.FORGET) else "")
+            )
+        return None
+
+    def store_result(self, checkpoint_id: str, event: PhaseEvent, args: Hashable, reply: R) -> R:
+        """Remember a successful result for idempotent replay."""
+        self._results[(checkpoint_id, event.value)] = (args, reply)
+        return reply
+
+    def transition(self, event: PhaseEvent) -> None:
+        """Move along the phase table."""
+        self.phase = next_phase(self.phase, event)
+        self.telemetry.set_phase(self.phase)
+
+    def renew_lease(self, deadline_ts: float) -> None:
+        """Extend the lease to ``deadline_ts`` plus the grace; it never shrinks."""
+        candidate = deadline_ts + self.settings.lease_grace_seconds
+        if self.lease_expires_at is None or candidate > self.lease_expires_at:
+            self.lease_expires_at = candidate
+            self._wake_lease_watcher()
+
+    def report(self) -> PrepareReport:
+        """The participant's readiness report."""
+        return self.participant.readiness()
+
+    async def reopen(self, *, deadline: float, remember: bool = True) -> None:
+        """End the active checkpoint: stop its writer, reopen admission, forget its results.
+
+        Raises:
+            DeadlineExceededError: Restored state is still being deleted; admission stays
+                closed and the id is not remembered yet.
+        """
+        checkpoint_id = self.checkpoint_id
+        await self.commits.abort(deadline)
+        await self.participant.open_admission()
+        if checkpoint_id is not None:
+            if remember:
+                self._remember_resumed(checkpoint_id)
+            self._results = {k: v for k, v in self._results.items() if k[0] != checkpoint_id}
+        if self.phase is not Phase.IDLE:
+            self.transition(PhaseEvent.RESUME)
+        self.checkpoint_id = None
+        self.lease_expires_at = None
+        self._wake_lease_watcher()
+        self.participant.changes.notify()
+
+    def _remember_resumed(self, checkpoint_id: str) -> None:
+        self._resumed[checkpoint_id] = None
+        self._resumed.move_to_end(checkpoint_id)
+        while len(self._resumed) > RESUMED_IDS_REMEMBERED:
+            self._resumed.popitem(last=False)
+
+    # ----------------------------------------------------------------- lease
+
+    def _wake_lease_watcher(self) -> None:
+        self._lease_changed.set()
+        self._lease_changed = anyio.Event()
+
+    async def expire_lease_if_due(self) -> None:
+        """Resume on our own when the active checkpoint's lease has run out (hold the lock)."""
+        expires = self.lease_expires_at
+        now = self.clock.time()
+        if expires is None or self.phase is Phase.IDLE or now < expires:
+            return
+        checkpoint_id = self.checkpoint_id
+        try:
+            await self.reopen(deadline=now)
+        except DeadlineExceededError:
+            self.lease_expires_at = now + self.settings.resume_retry_seconds
+            self._wake_lease_watcher()
+            self.telemetry.event("lease_expired", checkpoint_id=checkpoint_id, reopened=False)
+            return
+        self.telemetry.event("lease_expired", checkpoint_id=checkpoint_id, reopened=True)
+
+    async def _watch_lease(self) -> None:
+        while True:
+            changed = self._lease_changed
+            expires = self.lease_expires_at
+            if expires is None:
+                await changed.wait()
+                continue
+            await wait_until(self.clock, expires, changed.wait)
+            async with self.lock:
+                await self.expire_lease_if_due()
+
+    # ----------------------------------------------------------------- operations
+
+    async def instrumented(
+        self, operation: str, checkpoint_id: str | None, work: Callable[[], Awaitable[R]]
+    ) -> R:
+        """Run one operation and record its outcome (one event, counters, duration)."""
+        started = time.perf_counter()
+        try:
+            reply = await work()
+        except MidflightError as exc:
+            self.telemetry.operation(
+                operation,
+                outcome="refused",
+                code=exc.code,
+                seconds=time.perf_counter() - started,
+                checkpoint_id=checkpoint_id,
+                phase=self.phase.value,
+                detail=exc.detail,
+            )
+            raise
+        except Exception:
+            self.telemetry.operation(
+                operation,
+                outcome="error",
+                code="internal_error",
+                seconds=time.perf_counter() - started,
+                checkpoint_id=checkpoint_id,
+                phase=self.phase.value,
+            )
+            raise
+        self.telemetry.operation(
+            operation,
+            outcome="ok",
+            seconds=time.perf_counter() - started,
+            checkpoint_id=checkpoint_id,
+            phase=self.phase.value,
+        )
+        return reply
+
+    async def status(self) -> StatusReply:
+        """The participant's phase, lease, marks and readiness."""
+
+        async def work() -> StatusReply:
+            async with self.lock:
+                await self.expire_lease_if_due()
+                return StatusReply.model_validate(
+                    {
+                        **self.participant.status_extra(),
+                        "kind": self.participant.kind,
+                        "instance": self.participant.instance,
+                        "phase": self.phase,
+                        "checkpoint_id": self.checkpoint_id,
+                        "lease_expires_at": self.lease_expires_at,
+                        "retired_rollouts": len(self.marks),
+                        "report": self.report(),
+                    }
+                )
+
+        return await work()
+
+    async def prepare(self, request: CheckpointRequest) -> PrepareReply:
+        """Close admission and wait, until the deadline, for every episode to park."""
+        return await self.instrumented(
+            "prepare", request.checkpoint_id, lambda: self._prepare(request)
+        )
+
+    async def _prepare(self, request: CheckpointRequest) -> PrepareReply:
+        self.check_deadline(request.deadline_ts)
+        checkpoint_id = request.checkpoint_id
+        async with self.lock:
+            await self.expire_lease_if_due()
+            stored = self.admit(checkpoint_id, PhaseEvent.PREPARE)
+            if self.phase is not Phase.IDLE:
+                self.renew_lease(request.deadline_ts)
+            if isinstance(stored, PrepareReply):
+                return stored
+            if self.phase is Phase.IDLE:
+                self.checkpoint_id = checkpoint_id
+                self.transition(PhaseEvent.PREPARE)
+                self.renew_lease(request.deadline_ts)
+                try:
+                    await self.participant.close_admission(request)
+                except BaseException:
+                    await self._abandon_prepare()
+                    raise
+        try:
+            await self._wait_ready(checkpoint_id, request.deadline_ts)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                async with self.lock:
+                    if self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
+                        await self._abandon_prepare()
+            raise
+        async with self.lock:
+            if self.checkpoint_id != checkpoint_id:
+                return PrepareReply(phase=self.phase, report=self.report())
+            replay = self._results.get((checkpoint_id, PhaseEvent.PREPARE.value))
+            if replay is not None and isinstance(replay[1], PrepareReply):
+                return replay[1]
+            if self.phase is not Phase.PREPARING:
+                return PrepareReply(phase=self.phase, report=self.report())
+            report = self.report()
+            if report.ready:
+                self.transition(PhaseEvent.READY)
+                reply = PrepareReply(phase=self.phase, report=report)
+                return self.store_result(checkpoint_id, PhaseEvent.PREPARE, None, reply)
+            self.telemetry.event(
+                "prepare_not_ready",
+                checkpoint_id=checkpoint_id,
+                blocker_count=report.blocker_count,
+                blockers=report.blockers[:10],
+            )
+            return PrepareReply(phase=self.phase, report=report)
+
+    async def _abandon_prepare(self) -> None:
+        """A close or readiness wait failed: reopen; the id may try again."""
+        await self.participant.open_admission()
+        self.transition(PhaseEvent.RESUME)
+        self.checkpoint_id = None
+        self.lease_expires_at = None
+        self._wake_lease_watcher()
+
+    async def _wait_ready(self, checkpoint_id: str, deadline: float) -> None:
+        changes = self.participant.changes
+        while self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
+            seen = changes.version
+            if self.participant.ready():
+                return
+            now = self.clock.time()
+            if now >= deadline:
+                return
+            wake_at = min(deadline, now + self.settings.readiness_poll_seconds)
+            await wait_until(self.clock, wake_at, functools.partial(changes.wait_past, seen))
+
+    async def commit(self, request: CommitRequest) -> CommitReply:
+        """Export the parked work once and publish it (see ``CommitProcedure``)."""
+        return await self.instrumented(
+            "commit", request.checkpoint_id, lambda: self.commits.run(request)
+        )
+
+    async def restore(self, request: RestoreRequest) -> RestoreReply:
+        """Install a checkpoint's records under their next attempts (see ``RestoreProcedure``)."""
+        return await self.instrumented(
+            "restore", request.checkpoint_id, lambda: self.restores.run(request)
+        )
+
+    async def resume(self, request: CheckpointRequest) -> ResumeReply:
+        """Reopen admission, whether or not the checkpoint was published (resume is abort)."""
+        return await self.instrumented(
+            "resume", request.checkpoint_id, lambda: self._resume(request)
+        )
+
+    async def _resume(self, request: CheckpointRequest) -> ResumeReply:
+        self.check_deadline(request.deadline_ts)
+        checkpoint_id = request.checkpoint_id
+        async with self.lock:
+            await self.expire_lease_if_due()
+            if checkpoint_id in self._resumed:
+                return ResumeReply(phase=Phase.IDLE, idempotent=True)
+            if self.phase is Phase.IDLE and self.checkpoint_id is None:
+                # A prepare for this id never arrived; make sure a late one cannot close us.
+                self._remember_resumed(checkpoint_id)
+                return ResumeReply(phase=Phase.IDLE, idempotent=True)
+            if self.checkpoint_id != checkpoint_id:
+                raise CheckpointConflictError(
+                    f"checkpoint {self.checkpoint_id!r} is active, not {checkpoint_id!r}"
+                )
+            await self.reopen(deadline=request.deadline_ts)
+            return ResumeReply(phase=Phase.IDLE, idempotent=False)
+
+    async def renew(self, request: CheckpointRequest) -> RenewReply:
+        """Extend the lease of the active checkpoint."""
+        return await self.instrumented("renew", request.checkpoint_id, lambda: self._renew(request))
+
+    async def _renew(self, request: CheckpointRequest) -> RenewReply:
+        self.check_deadline(request.deadline_ts)
+        async with self.lock:
+            await self.expire_lease_if_due()
+            self.admit(request.checkpoint_id, PhaseEvent.RENEW)
+            self.renew_lease(request.deadline_ts)
+            assert self.lease_expires_at is not None
+            return RenewReply(lease_expires_at=self.lease_expires_at)
+
+    def _admit_retire_or_forget(self, checkpoint_id: str, event: PhaseEvent) -> None:
+        # Outside an open checkpoint the id is only a label, so no stale-id check applies.
+        if self.phase not in ALLOWED_PHASES[event]:
+            raise InvalidPhaseError(
+                f"{event.value} is refused while checkpoint {self.checkpoint_id!r} is open "
+                f"(phase {self.phase.value}); resume first"
+            )
+        if self.phase is Phase.RESTORED and checkpoint_id != self.checkpoint_id:
+            raise CheckpointConflictError(
+                f"restore {self.checkpoint_id!r} is active; retire under its id or resume first"
+            )
+
+    async def retire(self, request: RetireRequest) -> RetireReply:
+        """Refuse, stop, then free the named attempts and every earlier one."""
+        return await self.instrumented(
+            "retire", request.checkpoint_id, lambda: self._retire(request)
+        )
+
+    async def _retire(self, request: RetireRequest) -> RetireReply:
+        self.check_deadline(request.deadline_ts)
+        deadline = request.deadline_ts
+        async with self.lock:
+            await self.expire_lease_if_due()
+            self._admit_retire_or_forget(request.checkpoint_id, PhaseEvent.RETIRE)
+            if self.phase is Phase.RESTORED:
+                self.renew_lease(deadline)
+            self.marks.raise_to(request.episode_ids)
+            await run_until(
+                self.clock,
+                deadline,
+                lambda: self.participant.mark_retired(request.episode_ids),
+                what="retire marks to propagate",
+            )
+        await self.restores.wait_for_install(deadline)
+        for episode in request.episode_ids:
+            await run_until(
+                self.clock,
+                deadline,
+                functools.partial(self.participant.retire, episode),
+                what=f"{episode.capture_key} to stop",
+            )
+        self.participant.changes.notify()
+        return RetireReply(retired=[episode.capture_key for episode in request.episode_ids])
+
+    async def forget(self, request: ForgetRequest) -> ForgetReply:
+        """Remove the retire marks of rollouts that are finished for good."""
+        return await self.instrumented(
+            "forget", request.checkpoint_id, lambda: self._forget(request)
+        )
+
+    async def _forget(self, request: ForgetRequest) -> ForgetReply:
+        self.check_deadline(request.deadline_ts)
+        rollout_ids = sorted(set(request.rollout_ids))
+        async with self.lock:
+            await self.expire_lease_if_due()
+            self._admit_retire_or_forget(request.checkpoint_id, PhaseEvent.FORGET)
+            if self.phase is Phase.RESTORED:
+                self.renew_lease(request.deadline_ts)
+            await run_until(
+                self.clock,
+                request.deadline_ts,
+                lambda: self.participant.forget(rollout_ids),
+                what="the participant to accept forget",
+            )
+            self.marks.forget(rollout_ids)
+        return ForgetReply(forgotten=rollout_ids)
+
+    def results_snapshot(self) -> dict[tuple[str, str], Any]:
+        """Stored replay results (for tests and status tooling)."""
+        return {key: reply for key, (_args, reply) in self._results.items()}

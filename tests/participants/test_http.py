@@ -1,0 +1,240 @@
+"""The control routes over HTTP (in-process): auth first, envelopes always, never a 500."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from participants import ControlPlane, ManualClock, participant_app
+from protocols import CONTROL_PREFIX
+
+from .fakes import FakeParticipant
+from .runtime_support import NOW
+
+pytestmark = pytest.mark.anyio
+TOKEN = "s3cret-token"
+GOLDEN = Path(__file__).parent.parent / "golden" / "openapi" / "participant.json"
+
+ROUTES = ["status", "prepare", "renew", "commit", "restore", "resume", "retire", "forget"]
+VALID_BODY: dict[str, dict[str, Any]] = {
+    "prepare": {"checkpoint_id": "c1", "deadline_ts": NOW + 60},
+    "renew": {"checkpoint_id": "c1", "deadline_ts": NOW + 60},
+    "resume": {"checkpoint_id": "c1", "deadline_ts": NOW + 60},
+    "commit": {"checkpoint_id": "c1", "deadline_ts": NOW + 60, "checkpoint_dir": "/tmp/x"},
+    "restore": {
+        "checkpoint_id": "r1",
+        "deadline_ts": NOW + 60,
+        "checkpoint_dir": "/tmp/x",
+        "episode_ids": [],
+    },
+    "retire": {
+        "checkpoint_id": "c1",
+        "deadline_ts": NOW + 60,
+        "episode_ids": [{"rollout_id": "a"}],
+    },
+    "forget": {"checkpoint_id": "c1", "deadline_ts": NOW + 60, "rollout_ids": ["a"]},
+}
+
+
+class Client:
+    def __init__(self, http: httpx.AsyncClient, plane: ControlPlane, fake: FakeParticipant) -> None:
+        self.http, self.plane, self.fake = http, plane, fake
+
+    async def call(self, route: str, body: Any = None, token: str | None = TOKEN) -> httpx.Response:
+        headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+        if route == "status":
+            return await self.http.get(f"{CONTROL_PREFIX}/status", headers=headers)
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers["content-type"] = "application/json"
+        return await self.http.post(f"{CONTROL_PREFIX}/{route}", content=content, headers=headers)
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[Client]:
+    fake = FakeParticipant()
+    plane = ControlPlane(fake, clock=ManualClock(NOW))
+    app = participant_app(plane, token=TOKEN)
+    transport = httpx.ASGITransport(app=app)
+    async with plane.running(), httpx.AsyncClient(transport=transport, base_url="http://p") as http:
+        yield Client(http, plane, fake)
+
+
+def _error(response: httpx.Response) -> tuple[int, str]:
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "detail"}
+    return response.status_code, body["error"]["code"]
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize(
+    "header",
+    [
+        None,
+        "Bearer wrong",
+        "bearer s3cret-token",
+        "Bearer  s3cret-token",
+        "s3cret-token",
+        "Bearer ",
+    ],
+)
+@pytest.mark.parametrize("body", ["valid", b"{not json", b"", "missing-fields"])
+async def test_every_route_answers_401_without_the_token_whatever_the_body(
+    client: Client, route: str, header: str | None, body: str | bytes
+) -> None:
+    payload: Any = (
+        VALID_BODY.get(route) if body == "valid" else {} if body == "missing-fields" else body
+    )
+    headers = {} if header is None else {"Authorization": header}
+    if route == "status":
+        response = await client.http.get(f"{CONTROL_PREFIX}/status", headers=headers)
+    else:
+        content = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        response = await client.http.post(
+            f"{CONTROL_PREFIX}/{route}", content=content, headers=headers
+        )
+    assert _error(response) == (401, "unauthorized")
+    assert client.plane.phase.value == "idle" and client.fake.admission_open
+
+
+@pytest.mark.parametrize("route", [r for r in ROUTES if r != "status"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"{not json",
+        b"",
+        b"[]",
+        b'"text"',
+        b'{"checkpoint_id": "c1"}',
+        b'{"checkpoint_id": "c1", "deadline_ts": NaN}',
+        b'{"checkpoint_id": "c1", "deadline_ts": "soon"}',
+        b'{"checkpoint_id": "../c", "deadline_ts": 1800000060}',
+        b'{"checkpoint_id": "c1", "deadline_ts": 1800000060, "unknown": 1}',
+    ],
+)
+async def test_malformed_bodies_get_422_in_the_envelope(
+    client: Client, route: str, body: bytes
+) -> None:
+    response = await client.call(route, body)
+    assert _error(response) == (422, "invalid_request")
+    assert client.plane.phase.value == "idle" and client.fake.admission_open
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("retire", {"checkpoint_id": "c", "deadline_ts": NOW, "episode_ids": []}),
+        ("forget", {"checkpoint_id": "c", "deadline_ts": NOW, "rollout_ids": ["bad id"]}),
+        ("forget", {"checkpoint_id": "c", "deadline_ts": NOW, "rollout_ids": "a"}),
+        ("restore", {"checkpoint_id": "c", "deadline_ts": NOW, "checkpoint_dir": "/x"}),
+        ("commit", {"checkpoint_id": "c", "deadline_ts": NOW, "checkpoint_dir": ""}),
+        ("prepare", {"checkpoint_id": "c", "deadline_ts": NOW + 7200}),
+    ],
+)
+async def test_route_specific_invalid_requests(client: Client, route: str, body: Any) -> None:
+    assert _error(await client.call(route, body)) == (422, "invalid_request")
+
+
+async def test_a_full_cycle_over_http(client: Client, tmp_path: Path) -> None:
+    client.fake.start(__import__("protocols").EpisodeId(rollout_id="a"))
+    prepared = await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    assert prepared.status_code == 200 and prepared.json()["phase"] == "prepared"
+    commit = await client.call(
+        "commit",
+        {
+            "checkpoint_id": "c1",
+            "deadline_ts": NOW + 60,
+            "checkpoint_dir": str(tmp_path),
+            "episode_ids": [{"rollout_id": "a"}],
+        },
+    )
+    assert commit.status_code == 200, commit.text
+    assert commit.json()["episode_ids"] == ["a"]
+    assert (tmp_path / "gym/environment/fake/manifest.json").exists()
+    status = (await client.call("status")).json()
+    assert status["phase"] == "committed" and status["restored_pending"] == []
+    assert (
+        await client.call("resume", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    ).json() == {
+        "phase": "idle",
+        "idempotent": False,
+    }
+    again = await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    assert _error(again) == (409, "stale_checkpoint")
+
+
+async def test_corrupt_records_give_422_over_http(client: Client, tmp_path: Path) -> None:
+    directory = tmp_path / "gym/environment/fake"
+    directory.mkdir(parents=True)
+    (directory / "manifest.json").write_text("{broken")
+    response = await client.call(
+        "restore",
+        {
+            "checkpoint_id": "r1",
+            "deadline_ts": NOW + 60,
+            "checkpoint_dir": str(tmp_path),
+            "episode_ids": [{"rollout_id": "a"}],
+        },
+    )
+    assert _error(response) == (422, "invalid_checkpoint_state")
+    assert client.fake.installed == [] and client.fake.admission_open
+
+
+async def test_an_unexpected_participant_error_is_an_enveloped_500(client: Client) -> None:
+    client.fake.fail_close = RuntimeError("boom")
+    response = await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    assert _error(response) == (500, "internal_error")
+    assert client.fake.admission_open
+
+
+async def test_health_and_metrics(client: Client) -> None:
+    health = await client.http.get("/healthz")
+    assert health.json() == {
+        "status": "ok",
+        "kind": "environment",
+        "instance": "fake",
+        "phase": "idle",
+    }
+    await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    metrics = (await client.http.get("/metrics")).text
+    assert 'midflight_checkpoint_operations_total{operation="prepare",outcome="ok"} 1.0' in metrics
+    assert 'midflight_checkpoint_phase{phase="prepared"} 1.0' in metrics
+    assert TOKEN not in metrics
+
+
+async def test_no_token_installs_no_control_route() -> None:
+    plane = ControlPlane(FakeParticipant(), clock=ManualClock(NOW))
+    app = participant_app(plane, token=None)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://p"
+    ) as http:
+        assert (await http.get(f"{CONTROL_PREFIX}/status")).status_code == 404
+        assert (await http.get("/healthz")).status_code == 200
+
+
+def test_an_empty_token_is_refused_at_start() -> None:
+    plane = ControlPlane(FakeParticipant(), clock=ManualClock(NOW))
+    with pytest.raises(ValueError, match="empty token"):
+        participant_app(plane, token="")
+
+
+def test_the_openapi_document_is_snapshotted() -> None:
+    plane = ControlPlane(FakeParticipant(), clock=ManualClock(NOW))
+    document = participant_app(plane, token=TOKEN).openapi()
+    if os.environ.get("MIDFLIGHT_UPDATE_GOLDEN") == "1":
+        GOLDEN.parent.mkdir(parents=True, exist_ok=True)
+        GOLDEN.write_text(json.dumps(document, indent=1, sort_keys=True) + "\n")
+    assert document == json.loads(GOLDEN.read_text()), (
+        "the wire changed: review the diff, then regenerate with MIDFLIGHT_UPDATE_GOLDEN=1"
+    )
+    for route in ROUTES:
+        method = "get" if route == "status" else "post"
+        responses = document["paths"][f"{CONTROL_PREFIX}/{route}"][method]["responses"]
+        assert {"200", "401", "500"} <= set(responses)
+        if route != "status":
+            assert "409" in responses and "422" in responses

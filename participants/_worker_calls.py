@@ -503,7 +503,7 @@ def _check_generation_cut(
     continuation = admission.generation_cut
     if continuation is None:
         raise CaptureError(f"{where}: the admission does not authorize continuing a cut")
-    if staging_keys is None or tuple(staging_keys) != continuation.staging_keys:
+    if staging_keys is None or list(staging_keys) != continuation.staging_keys:
         raise CaptureError(f"{where}: the cut was fetched from other staging keys")
     if (
         snapshot.rollout_id != continuation.source_capture_key

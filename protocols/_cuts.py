@@ -89,7 +89,7 @@ class GenerationCutInventory(StrictWireModel):
 
     checkpoint_id: CheckpointId
     server_name: Identifier
-    active_prefixes: tuple[GenerationCutPrefix, ...] = ()
+    active_prefixes: list[GenerationCutPrefix] = Field(default_factory=list)
     inventory_digest: DigestHex
 
     @classmethod
@@ -101,7 +101,7 @@ class GenerationCutInventory(StrictWireModel):
         active_prefixes: Iterable[GenerationCutPrefix],
     ) -> Self:
         """The inventory of these prefixes, sorted by ticket, with its digest."""
-        prefixes = tuple(sorted(active_prefixes, key=lambda prefix: prefix.ticket_id))
+        prefixes = sorted(active_prefixes, key=lambda prefix: prefix.ticket_id)
         return cls(
             checkpoint_id=checkpoint_id,
             server_name=server_name,
@@ -138,7 +138,7 @@ class GenerationCutPrefixAck(StrictWireModel):
     disposition: CutDisposition
     cut_kind: CutKind | None = None
     frozen_buffer_id: Identifier | None = None
-    staging_keys: tuple[Identifier, ...] | None = None
+    staging_keys: list[Identifier] | None = None
     prefix_token_count: NonNegativeInt | None = None
     prefix_digest: DigestHex | None = None
     effective_output_limit: int | None = Field(default=None, ge=1)
@@ -192,7 +192,7 @@ class GenerationCutPrefixAck(StrictWireModel):
         return GenerationCutContinuation(
             source_capture_key=self.capture_key,
             source_model_call_id=self.model_call_id,
-            staging_keys=self.staging_keys or (),
+            staging_keys=list(self.staging_keys or ()),
             prefix_token_count=self.prefix_token_count or 0,
             prefix_digest=self.prefix_digest or "",
             effective_output_limit=self.effective_output_limit or 0,
@@ -214,7 +214,7 @@ class GenerationCutReceipt(StrictWireModel):
     inventory_digest: DigestHex
     inventory: GenerationCutInventory
     backend_snapshot_id: Identifier
-    prefixes: tuple[GenerationCutPrefixAck, ...] = ()
+    prefixes: list[GenerationCutPrefixAck] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _check_embedded(self) -> Self:
@@ -258,7 +258,7 @@ class GenerationCutContinuation(StagingWireModel):
 
     source_capture_key: Identifier
     source_model_call_id: Identifier
-    staging_keys: tuple[Identifier, ...] = Field(min_length=1)
+    staging_keys: list[Identifier] = Field(min_length=1)
     prefix_token_count: NonNegativeInt
     prefix_digest: DigestHex
     effective_output_limit: int = Field(ge=1)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Final, Literal, Protocol, Self
 
-from pydantic import Field, ValidationInfo, model_validator
+from pydantic import Field, ModelWrapValidatorHandler, ValidationInfo, model_validator
 
 from ._cuts import GenerationCutContinuation
 from ._hashes import (
@@ -127,16 +127,22 @@ class StagedCallRecord(DigestWireModel):
     cumulative_hash: DigestHex
     extras: dict[str, Any] | None = None
 
-    @model_validator(mode="after")
-    def _check_digests(self, info: ValidationInfo) -> Self:
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_digests(
+        cls, data: Any, handler: ModelWrapValidatorHandler[Self], info: ValidationInfo
+    ) -> Self:
+        if isinstance(data, cls):
+            return data  # a record instance was verified (or built) when it was made
+        record = handler(data)
         context = info.context
         if isinstance(context, dict) and context.get(_CONTEXT_KEY) is _DIGEST_JUST_COMPUTED:
-            return self
-        if compute_extras_digest(self.extras) != self.extras_digest:
+            return record
+        if compute_extras_digest(record.extras) != record.extras_digest:
             raise ValueError("extras_digest does not match extras")
-        if self._compute_digest(self.extras_digest) != self.digest:
+        if record._compute_digest(record.extras_digest) != record.digest:
             raise ValueError("digest does not match the staged call")
-        return self
+        return record
 
     def _compute_digest(self, extras_digest: str) -> str:
         return compute_staging_digest(

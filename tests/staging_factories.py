@@ -35,9 +35,13 @@ def golden_record(**changes: Any) -> StagedCallRecord:
     return StagedCallRecord.from_components(**fields)
 
 
-def root_admission(rollout_id: str = "r1", model_call_id: str = "c1", **extra: Any) -> CaptureAdmission:
+def root_admission(
+    rollout_id: str = "r1", model_call_id: str = "c1", **extra: Any
+) -> CaptureAdmission:
     """A text-mode root admission."""
-    return CaptureAdmission(rollout_id=rollout_id, model_call_id=model_call_id, mode="text", **extra)
+    return CaptureAdmission(
+        rollout_id=rollout_id, model_call_id=model_call_id, mode="text", **extra
+    )
 
 
 def child_admission(
@@ -81,7 +85,9 @@ def root_record(
     )
 
 
-def continuation_of(record: StagedCallRecord, keys: list[str], **changes: Any) -> GenerationCutContinuation:
+def continuation_of(
+    record: StagedCallRecord, keys: list[str], **changes: Any
+) -> GenerationCutContinuation:
     """A continuation naming ``record`` as the staged prefix under ``keys``."""
     fields: dict[str, Any] = {
         "source_capture_key": record.rollout_id,

@@ -34,16 +34,22 @@ def test_put_get_delete(tmp_path: Path) -> None:
 def test_put_replaces_atomically(tmp_path: Path) -> None:
     store = FileTokenStagingStore(tmp_path)
     store.put(_entry())
-    replacement = StagedEntry(staging_key="rollout-1/call-1", record=golden_record(weight_version=8))
+    replacement = StagedEntry(
+        staging_key="rollout-1/call-1", record=golden_record(weight_version=8)
+    )
     store.put(replacement)
     assert store.get("rollout-1/call-1") == replacement
 
 
-def test_put_syncs_the_file_and_the_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_put_syncs_the_file_and_the_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     store = FileTokenStagingStore(tmp_path / "staging")
     synced: list[str] = []
     real_fsync, real_dir = os.fsync, durable_module.fsync_directory
-    monkeypatch.setattr(durable_module.os, "fsync", lambda fd: synced.append("file") or real_fsync(fd))
+    monkeypatch.setattr(
+        durable_module.os, "fsync", lambda fd: synced.append("file") or real_fsync(fd)
+    )
     monkeypatch.setattr(
         durable_module, "fsync_directory", lambda d: synced.append(f"dir:{d.name}") or real_dir(d)
     )

@@ -104,7 +104,11 @@ def test_a_valid_continuation_is_admitted() -> None:
 def test_begin_call_rejects_wrong_staging_keys() -> None:
     snapshot = _cut_of_source()
     with pytest.raises(CaptureError, match="other staging keys"):
-        _begin(_replacement(snapshot), snapshot, generation_cut_staging_keys=["__generation_cut__/c2/9"])
+        _begin(
+            _replacement(snapshot),
+            snapshot,
+            generation_cut_staging_keys=["__generation_cut__/c2/9"],
+        )
 
 
 def test_begin_call_rejects_a_wrong_source_call() -> None:
@@ -181,7 +185,10 @@ def test_begin_call_resolves_prefixes() -> None:
         staging_chain=["r1/c1"],
         parent_chain_hash=_parent().chain_hash,
     )
-    assert capture.begin_call(chained, prefix_token_ids=PARENT_TOKENS).prefix_token_ids == PARENT_TOKENS
+    assert (
+        capture.begin_call(chained, prefix_token_ids=PARENT_TOKENS).prefix_token_ids
+        == PARENT_TOKENS
+    )
 
 
 @pytest.mark.parametrize(
@@ -190,7 +197,11 @@ def test_begin_call_resolves_prefixes() -> None:
         (root_admission(), {"prefix_token_ids": [1]}, "takes no prefix"),
         (child_admission(_parent(), PARENT_TOKENS), {"prefix_token_ids": [1]}, "prev_len"),
         (child_admission(_parent(), PARENT_TOKENS), {"prefix_token_ids": [0] * 12}, "disagrees"),
-        (child_admission(_parent(), PARENT_TOKENS), {"prefix_token_ids": [-1] * 12}, "non-negative"),
+        (
+            child_admission(_parent(), PARENT_TOKENS),
+            {"prefix_token_ids": [-1] * 12},
+            "non-negative",
+        ),
         (
             CaptureAdmission(
                 rollout_id="r1",
@@ -228,7 +239,9 @@ def test_begin_call_refuses_types_streams_and_unpaired_cuts() -> None:
         _capture().begin_call(_replacement(snapshot))
     with pytest.raises(CaptureError, match="does not authorize"):
         _capture().begin_call(
-            child_admission(_parent(), PARENT_TOKENS), generation_cut=snapshot, generation_cut_staging_keys=CUT_KEYS
+            child_admission(_parent(), PARENT_TOKENS),
+            generation_cut=snapshot,
+            generation_cut_staging_keys=CUT_KEYS,
         )
 
 
@@ -272,12 +285,17 @@ def test_a_continued_call_stages_the_cut_then_the_rest_at_the_oldest_version() -
     assert record.rollout_id == "r1-a1" and record.model_call_id == "c2-retry"
     with pytest.raises(ValueError, match="cut's tokens"):
         capture.build_prefix_record(
-            call, prompt_token_ids=CHILD_PROMPT, generated_token_ids=[100], generated_logprobs=[-0.5]
+            call,
+            prompt_token_ids=CHILD_PROMPT,
+            generated_token_ids=[100],
+            generated_logprobs=[-0.5],
         )
 
 
 @given(st.lists(st.integers(97, 122), min_size=3, max_size=30), st.data())
-def test_chunks_rebuild_into_the_cumulative_snapshot(generated: list[int], data: st.DataObject) -> None:
+def test_chunks_rebuild_into_the_cumulative_snapshot(
+    generated: list[int], data: st.DataObject
+) -> None:
     cuts = sorted(data.draw(st.sets(st.integers(1, len(generated) - 1), min_size=1, max_size=4)))
     capture = _capture()
     call = capture.begin_call(child_admission(_parent(), PARENT_TOKENS))
@@ -300,7 +318,10 @@ def test_chunks_rebuild_into_the_cumulative_snapshot(generated: list[int], data:
         assert chunk.token_mask_delta == [1.0] * (stop - start)
         staged.append(chunk)
     whole = capture.build_prefix_record(
-        call, prompt_token_ids=CHILD_PROMPT, generated_token_ids=generated, generated_logprobs=log_probs
+        call,
+        prompt_token_ids=CHILD_PROMPT,
+        generated_token_ids=generated,
+        generated_logprobs=log_probs,
     )
     rebuilt = rebuild_generation_cut(staged)
     assert rebuilt == whole
@@ -316,11 +337,17 @@ def test_chunk_builder_refusals() -> None:
         call, prompt_token_ids=CHILD_PROMPT, generated_token_ids=[97], generated_logprobs=[-0.5]
     )
     with pytest.raises(ValueError, match="at least one"):
-        capture.build_generation_chunk_record(call, staged=[first], generated_token_ids=[], generated_logprobs=[])
+        capture.build_generation_chunk_record(
+            call, staged=[first], generated_token_ids=[], generated_logprobs=[]
+        )
     with pytest.raises(ValueError, match="equal lengths"):
-        capture.build_generation_chunk_record(call, staged=[first], generated_token_ids=[1], generated_logprobs=[])
+        capture.build_generation_chunk_record(
+            call, staged=[first], generated_token_ids=[1], generated_logprobs=[]
+        )
     with pytest.raises(ValueError, match="cumulative record"):
-        capture.build_generation_chunk_record(call, staged=[], generated_token_ids=[1], generated_logprobs=[-0.5])
+        capture.build_generation_chunk_record(
+            call, staged=[], generated_token_ids=[1], generated_logprobs=[-0.5]
+        )
     with pytest.raises(ValueError, match="another call"):
         capture.build_generation_chunk_record(
             call, staged=[_parent()], generated_token_ids=[1], generated_logprobs=[-0.5]
@@ -346,7 +373,10 @@ def test_rebuild_refuses_what_is_not_one_calls_prefix() -> None:
     older = _capture(0)
     newer_call = _capture(3).begin_call(child_admission(_parent(), PARENT_TOKENS))
     newer_first = older.build_prefix_record(
-        newer_call, prompt_token_ids=CHILD_PROMPT, generated_token_ids=[97], generated_logprobs=[-0.5]
+        newer_call,
+        prompt_token_ids=CHILD_PROMPT,
+        generated_token_ids=[97],
+        generated_logprobs=[-0.5],
     )
     old_chunk = older.build_generation_chunk_record(
         call, staged=[first], generated_token_ids=[98], generated_logprobs=[-0.5]

@@ -50,7 +50,13 @@ def test_the_inventory_digest_is_canonical_json_sorted_by_ticket() -> None:
             "checkpoint_id": "ckpt-1",
             "server_name": "policy",
             "active_prefixes": [
-                {"ticket_id": t, "rollout_id": "r1", "attempt": 1, "model_call_id": c, "admitted_at": 1700000000.25}
+                {
+                    "ticket_id": t,
+                    "rollout_id": "r1",
+                    "attempt": 1,
+                    "model_call_id": c,
+                    "admitted_at": 1700000000.25,
+                }
                 for t, c in (("t1", "c1"), ("t2", "c2"))
             ],
         },
@@ -157,7 +163,9 @@ def test_a_durable_failure_carries_no_prefix_evidence(evidence: dict[str, Any]) 
         )
 
 
-def _receipt(inventory: GenerationCutInventory, acks: list[GenerationCutPrefixAck]) -> GenerationCutReceipt:
+def _receipt(
+    inventory: GenerationCutInventory, acks: list[GenerationCutPrefixAck]
+) -> GenerationCutReceipt:
     return GenerationCutReceipt(
         checkpoint_id=inventory.checkpoint_id,
         cut_id="cut-1",
@@ -179,7 +187,9 @@ def test_a_receipt_answers_its_inventory_exactly() -> None:
     other_call = GenerationCutPrefixAck.failure(_prefix("t2", "c9"))
     with pytest.raises(ValueError, match="another call"):
         _receipt(inventory, [acks[0], other_call]).validate_for(inventory)
-    other = GenerationCutInventory.build(checkpoint_id="ckpt-1", server_name="x", active_prefixes=[])
+    other = GenerationCutInventory.build(
+        checkpoint_id="ckpt-1", server_name="x", active_prefixes=[]
+    )
     with pytest.raises(ValueError, match="another inventory"):
         receipt.validate_for(other)
 
@@ -205,7 +215,9 @@ def test_the_continuation_of_an_ack() -> None:
     assert continuation.prefix_token_count == 4 and continuation.schema_version == 2
     with pytest.raises(ValueError, match="durable_prefix"):
         GenerationCutPrefixAck.failure(_prefix("t1")).continuation()
-    record = GenerationCutRecord(model_call_id="c1", request_digest=DIGEST, continuation=continuation)
+    record = GenerationCutRecord(
+        model_call_id="c1", request_digest=DIGEST, continuation=continuation
+    )
     assert GenerationCutRecord.model_validate_json(record.model_dump_json()) == record
 
 

@@ -80,7 +80,7 @@ def test_a_root_encodes_its_missing_parent_as_one_zero_byte() -> None:
 def test_the_extras_digest_golden_and_empty() -> None:
     assert compute_extras_digest(GOLDEN_EXTRAS) == GOLDEN_EXTRAS_DIGEST
     assert compute_extras_digest(None) == EMPTY_EXTRAS_DIGEST == EMPTY_DIGEST
-    assert EMPTY_DIGEST == _sha(b"nemo-gym-staging-extras-v1" + b"\x01" + b"N")
+    assert _sha(b"nemo-gym-staging-extras-v1" + b"\x01" + b"N") == EMPTY_DIGEST
 
 
 def test_the_extras_encoding_of_every_type() -> None:
@@ -111,7 +111,9 @@ def test_extras_keys_sort_by_utf8_bytes() -> None:
     # "é" (0xC3 0xA9) sorts after "z" by UTF-8 bytes; insertion order must not matter.
     assert compute_extras_digest({"é": 1, "z": 2}) == compute_extras_digest({"z": 2, "é": 1})
     encoded = b"D" + _u64(2) + _text("z") + b"I" + _u64(2) + _text("é") + b"I" + _u64(1)
-    assert compute_extras_digest({"é": 1, "z": 2}) == _sha(b"nemo-gym-staging-extras-v1\x01" + encoded)
+    assert compute_extras_digest({"é": 1, "z": 2}) == _sha(
+        b"nemo-gym-staging-extras-v1\x01" + encoded
+    )
 
 
 @pytest.mark.parametrize(
@@ -134,9 +136,13 @@ def test_extras_refuse_what_runtimes_could_encode_differently(
 
 def test_the_cumulative_hash_layout() -> None:
     assert encode_token_ids([10, 11]) == _u64(2) + _u64(10) + _u64(11)
-    assert hash_token_ids([10, 11]) == _sha(b"nemo-gym-staging-prefix-v2" + _u64(2) + _u64(10) + _u64(11))
+    assert hash_token_ids([10, 11]) == _sha(
+        b"nemo-gym-staging-prefix-v2" + _u64(2) + _u64(10) + _u64(11)
+    )
     assert hash_token_ids([]) == _sha(b"nemo-gym-staging-prefix-v2" + _u64(0))
-    assert hash_token_ids([1, 2]) == "84a16cc398b4ae27ec099417ac60388905246558670c64015a95ec040e3b77c3"
+    assert (
+        hash_token_ids([1, 2]) == "84a16cc398b4ae27ec099417ac60388905246558670c64015a95ec040e3b77c3"
+    )
 
 
 def test_the_chain_hash_layout_and_chaining() -> None:
@@ -172,7 +178,10 @@ def test_token_ids_must_be_u64_ints(token: object) -> None:
         ({"parent_call_id": ""}, "non-empty"),
         ({"parent_call_id": None}, "root"),
         ({"mode": "text"}, "child"),
-        ({"token_ids_delta": [], "token_mask_delta": [], "generation_log_probs_delta": []}, "at least one"),
+        (
+            {"token_ids_delta": [], "token_mask_delta": [], "generation_log_probs_delta": []},
+            "at least one",
+        ),
         ({"token_mask_delta": [1.0]}, "equal lengths"),
         ({"rollout_id": ""}, "non-empty"),
     ],

@@ -36,7 +36,10 @@ def test_the_output_alphabet() -> None:
 def test_rendering() -> None:
     assert render_message("user", "hi") == "\x02user\x03hi\x04"
     messages = [{"role": "system", "content": "counter"}, {"role": "user", "content": "r1 0"}]
-    assert render_prompt(messages) == "\x02system\x03counter\x04\x02user\x03r1 0\x04" + GENERATION_PROMPT
+    assert (
+        render_prompt(messages)
+        == "\x02system\x03counter\x04\x02user\x03r1 0\x04" + GENERATION_PROMPT
+    )
     with pytest.raises(ValueError, match="role"):
         render_message("robot", "x")
     with pytest.raises(ValueError, match="framing"):
@@ -44,7 +47,9 @@ def test_rendering() -> None:
 
 
 @given(st.lists(st.sampled_from(["user", "tool"]), min_size=1, max_size=3), st.integers(0, 2**32))
-def test_the_next_prompt_extends_the_previous_prompt_and_completion(roles: list[str], seed: int) -> None:
+def test_the_next_prompt_extends_the_previous_prompt_and_completion(
+    roles: list[str], seed: int
+) -> None:
     messages = [{"role": "system", "content": "counter"}]
     prompt = encode(render_prompt(messages))
     for role in roles:

@@ -274,16 +274,12 @@ class RolloutTokenCapture:
             tokens = cut.token_ids_delta + generated
             masks = cut.token_mask_delta + [1.0] * len(generated)
             delta_log_probs = cut.generation_log_probs_delta + log_probs
-        return StagedCallRecord.from_components(
-            rollout_id=admission.rollout_id,
-            model_call_id=admission.model_call_id,
-            parent_call_id=admission.parent_call_id,
-            mode=admission.mode,
-            prev_len=admission.prev_len,
+        return _record_of(
+            admission,
             weight_version=call.oldest_weight_version,
-            token_ids_delta=tokens,
-            token_mask_delta=masks,
-            generation_log_probs_delta=delta_log_probs,
+            tokens=tokens,
+            masks=masks,
+            log_probs=delta_log_probs,
             chain_hash=compute_chain_hash(admission.parent_chain_hash, tokens),
             cumulative_hash=hash_token_ids(prompt + generated),
             extras=extras,
@@ -329,16 +325,12 @@ class RolloutTokenCapture:
         ):
             raise ValueError("a staged record belongs to another call")
         whole = [t for record in staged for t in record.token_ids_delta] + generated
-        return StagedCallRecord.from_components(
-            rollout_id=admission.rollout_id,
-            model_call_id=admission.model_call_id,
-            parent_call_id=admission.parent_call_id,
-            mode=admission.mode,
-            prev_len=admission.prev_len,
+        return _record_of(
+            admission,
             weight_version=call.weight_version,
-            token_ids_delta=generated,
-            token_mask_delta=[1.0] * len(generated),
-            generation_log_probs_delta=log_probs,
+            tokens=generated,
+            masks=[1.0] * len(generated),
+            log_probs=log_probs,
             chain_hash=compute_chain_hash(admission.parent_chain_hash, whole),
             cumulative_hash=hash_token_ids(call.prefix_token_ids + whole),
         )
@@ -451,6 +443,34 @@ class RolloutTokenCapture:
                     f"rollout {call.rollout_id} call {call.model_call_id} was already completed"
                 )
             call.completed = True
+
+
+def _record_of(
+    admission: CaptureAdmission,
+    *,
+    weight_version: int,
+    tokens: list[int],
+    masks: list[float],
+    log_probs: list[float],
+    chain_hash: str,
+    cumulative_hash: str,
+    extras: dict[str, Any] | None = None,
+) -> StagedCallRecord:
+    """A record under the admission's identity; its digest computed once."""
+    return StagedCallRecord.from_components(
+        rollout_id=admission.rollout_id,
+        model_call_id=admission.model_call_id,
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        weight_version=weight_version,
+        token_ids_delta=tokens,
+        token_mask_delta=masks,
+        generation_log_probs_delta=log_probs,
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
+        extras=extras,
+    )
 
 
 def _failed_coords(call: ActiveCall) -> CommitCoords:

@@ -187,15 +187,21 @@ class GenerationCutPrefixAck(StrictWireModel):
         Raises:
             ValueError: The ack is a ``durable_failure``.
         """
-        if self.disposition != "durable_prefix":
+        if (
+            self.disposition != "durable_prefix"
+            or self.staging_keys is None
+            or self.prefix_token_count is None
+            or self.prefix_digest is None
+            or self.effective_output_limit is None
+        ):
             raise ValueError("only a durable_prefix ack can be continued")
         return GenerationCutContinuation(
             source_capture_key=self.capture_key,
             source_model_call_id=self.model_call_id,
-            staging_keys=list(self.staging_keys or ()),
-            prefix_token_count=self.prefix_token_count or 0,
-            prefix_digest=self.prefix_digest or "",
-            effective_output_limit=self.effective_output_limit or 0,
+            staging_keys=list(self.staging_keys),
+            prefix_token_count=self.prefix_token_count,
+            prefix_digest=self.prefix_digest,
+            effective_output_limit=self.effective_output_limit,
             terminal_finish_reason=self.terminal_finish_reason,
             terminal_stop_reason=self.terminal_stop_reason,
         )

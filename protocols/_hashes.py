@@ -29,12 +29,8 @@ import struct
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
-from ._strict import (
-    EXTRAS_DIGEST_VERSION,
-    SHA256_HEX_PATTERN,
-    STAGING_DIGEST_VERSION,
-    STAGING_SCHEMA_VERSION,
-)
+from ._records import SHA256_HEX_PATTERN
+from ._strict import EXTRAS_DIGEST_VERSION, STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION
 
 CALL_DIGEST_DOMAIN: Final = b"nemo-gym-staging-call-v2"
 EXTRAS_DIGEST_DOMAIN: Final = b"nemo-gym-staging-extras-v1"

@@ -9,7 +9,7 @@ staging digest) in a :class:`TokenStagingStore`, and answers :class:`CommitCoord
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, Literal, Protocol, Self
 
 from pydantic import Field, ModelWrapValidatorHandler, ValidationInfo, model_validator
@@ -140,30 +140,9 @@ class StagedCallRecord(DigestWireModel):
             return record
         if compute_extras_digest(record.extras) != record.extras_digest:
             raise ValueError("extras_digest does not match extras")
-        if record._compute_digest(record.extras_digest) != record.digest:
+        if _staging_digest_of(vars(record)) != record.digest:
             raise ValueError("digest does not match the staged call")
         return record
-
-    def _compute_digest(self, extras_digest: str) -> str:
-        return compute_staging_digest(
-            schema_version=self.schema_version,
-            digest_version=self.digest_version,
-            extras_digest_version=self.extras_digest_version,
-            rollout_id=self.rollout_id,
-            model_call_id=self.model_call_id,
-            parent_call_id=self.parent_call_id,
-            mode=self.mode,
-            prev_len=self.prev_len,
-            delta_len=self.delta_len,
-            cum_len=self.cum_len,
-            weight_version=self.weight_version,
-            token_ids_delta=self.token_ids_delta,
-            token_mask_delta=self.token_mask_delta,
-            generation_log_probs_delta=self.generation_log_probs_delta,
-            extras_digest=extras_digest,
-            chain_hash=self.chain_hash,
-            cumulative_hash=self.cumulative_hash,
-        )
 
     @classmethod
     def from_components(
@@ -190,29 +169,10 @@ class StagedCallRecord(DigestWireModel):
             TypeError: The extras hold an unsupported type.
         """
         tokens = list(token_ids_delta)
-        masks = list(token_mask_delta)
-        log_probs = list(generation_log_probs_delta)
-        extras_digest = compute_extras_digest(extras)
-        digest = compute_staging_digest(
-            schema_version=STAGING_SCHEMA_VERSION,
-            digest_version=STAGING_DIGEST_VERSION,
-            extras_digest_version=EXTRAS_DIGEST_VERSION,
-            rollout_id=rollout_id,
-            model_call_id=model_call_id,
-            parent_call_id=parent_call_id,
-            mode=mode,
-            prev_len=prev_len,
-            delta_len=len(tokens),
-            cum_len=prev_len + len(tokens),
-            weight_version=weight_version,
-            token_ids_delta=tokens,
-            token_mask_delta=masks,
-            generation_log_probs_delta=log_probs,
-            extras_digest=extras_digest,
-            chain_hash=chain_hash,
-            cumulative_hash=cumulative_hash,
-        )
-        fields = {
+        fields: dict[str, Any] = {
+            "schema_version": STAGING_SCHEMA_VERSION,
+            "digest_version": STAGING_DIGEST_VERSION,
+            "extras_digest_version": EXTRAS_DIGEST_VERSION,
             "rollout_id": rollout_id,
             "model_call_id": model_call_id,
             "parent_call_id": parent_call_id,
@@ -221,21 +181,47 @@ class StagedCallRecord(DigestWireModel):
             "delta_len": len(tokens),
             "cum_len": prev_len + len(tokens),
             "weight_version": weight_version,
-            "digest": digest,
             "token_ids_delta": tokens,
-            "token_mask_delta": masks,
-            "generation_log_probs_delta": log_probs,
-            "extras_digest": extras_digest,
+            "token_mask_delta": list(token_mask_delta),
+            "generation_log_probs_delta": list(generation_log_probs_delta),
+            "extras_digest": compute_extras_digest(extras),
             "chain_hash": chain_hash,
             "cumulative_hash": cumulative_hash,
             "extras": extras,
         }
+        fields["digest"] = _staging_digest_of(fields)
         return cls.model_validate(fields, context={_CONTEXT_KEY: _DIGEST_JUST_COMPUTED})
 
     @property
     def generated_token_count(self) -> int:
         """Tokens the model generated in this delta (mask 1.0)."""
         return sum(1 for mask in self.token_mask_delta if mask == 1.0)
+
+
+_DIGEST_FIELDS: Final = (
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "rollout_id",
+    "model_call_id",
+    "parent_call_id",
+    "mode",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "token_ids_delta",
+    "token_mask_delta",
+    "generation_log_probs_delta",
+    "extras_digest",
+    "chain_hash",
+    "cumulative_hash",
+)
+
+
+def _staging_digest_of(values: Mapping[str, Any]) -> str:
+    """The staging digest of a record's fields (the digest itself and the extras excluded)."""
+    return compute_staging_digest(**{name: values[name] for name in _DIGEST_FIELDS})
 
 
 class CommitCoords(DigestWireModel):

@@ -11,7 +11,8 @@ from typing import Annotated, Final, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-SHA256_HEX_PATTERN: Final = r"^[0-9a-f]{64}$"
+from ._records import SHA256_HEX_PATTERN
+
 STAGING_SCHEMA_VERSION: Final = 2
 STAGING_DIGEST_VERSION: Final = 2
 EXTRAS_DIGEST_VERSION: Final = 1

@@ -83,5 +83,5 @@ def generate_token(seed: int, prompt_ids: Sequence[int], position: int) -> int:
 
 def generate_tokens(seed: int, prompt_ids: Sequence[int], start: int, stop: int) -> list[int]:
     """Output tokens ``start`` up to ``stop`` (exclusive): what an uninterrupted call returns."""
-    prompt = bytes(prompt_ids)  # validate once; generate_token re-encodes cheaply
+    prompt = bytes(prompt_ids)  # checks every id is a byte, once
     return [generate_token(seed, prompt, position) for position in range(start, stop)]

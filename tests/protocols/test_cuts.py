@@ -66,6 +66,9 @@ def test_the_inventory_digest_is_canonical_json_sorted_by_ticket() -> None:
     )
     assert '"admitted_at":1700000000.25' in canonical
     assert inventory.inventory_digest == hashlib.sha256(canonical.encode()).hexdigest()
+    assert inventory.inventory_digest == (
+        "3df463b3896dcff3af2d1658dce787c90709ef7bf7cc44c8d9c8f07c877d00b2"
+    )
     assert inventory_digest("ckpt-1", "policy", reversed(inventory.active_prefixes)) == (
         inventory.inventory_digest
     )

@@ -331,8 +331,10 @@ class WorkerEngine:
                 live.staged.append(record)
                 live.staged_keys.append(key)
                 live.staged_count = count
+            # Read together under the lock: a later cut may seal more while this one answers.
             staged = list(live.staged)
             keys = list(live.staged_keys)
+            sealed_count = live.staged_count
             sequence = live.last_sequence
         snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
         return GenerationCutPrefixAck(
@@ -341,7 +343,7 @@ class WorkerEngine:
             cut_kind="active_prefix",
             frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
             staging_keys=keys,
-            prefix_token_count=live.continued + live.staged_count,
+            prefix_token_count=live.continued + sealed_count,
             prefix_digest=snapshot.digest,
             effective_output_limit=live.max_tokens,
         )

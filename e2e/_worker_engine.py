@@ -83,6 +83,7 @@ class _LiveCall:
     staged_keys: list[str] = field(default_factory=list)
     staged_count: int = 0
     last_sequence: int = 0
+    sealed_sequence: int = 0
     cut_lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     @property
@@ -331,11 +332,12 @@ class WorkerEngine:
                 live.staged.append(record)
                 live.staged_keys.append(key)
                 live.staged_count = count
+                live.sealed_sequence = sequence
             # Read together under the lock: a later cut may seal more while this one answers.
             staged = list(live.staged)
             keys = list(live.staged_keys)
             sealed_count = live.staged_count
-            sequence = live.last_sequence
+            sequence = live.sealed_sequence
         snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
         return GenerationCutPrefixAck(
             **prefix.model_dump(),

@@ -4,7 +4,8 @@
   replay, retire marks and checkpoint storage;
 - the participant interface (:class:`Participant`, :class:`BaseParticipant`);
 - the authenticated HTTP router and a participant server app;
-- durable writing and verified reading of one participant's share of a checkpoint.
+- durable writing and verified reading of one participant's share of a checkpoint;
+- the inference worker's staging helpers and a file-backed token staging store.
 """
 
 from ._clock import Clock, ManualClock, SystemClock
@@ -21,6 +22,7 @@ from ._marks import RetireMarks
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
 from ._runtime import ControlPlane, ControlSettings
+from ._staging_store import FileTokenStagingStore
 from ._storage import (
     WRITE_STEPS,
     ParticipantCheckpoint,
@@ -28,16 +30,28 @@ from ._storage import (
     read_participant_checkpoint,
 )
 from ._telemetry import CONTROL_EVENTS, ControlTelemetry
+from ._worker_calls import (
+    ActiveCall,
+    CaptureAdapter,
+    CaptureError,
+    RolloutTokenCapture,
+    StreamingUnsupportedError,
+    rebuild_generation_cut,
+)
 
 __all__ = [
     "CONTROL_EVENTS",
     "WRITE_STEPS",
+    "ActiveCall",
     "BaseParticipant",
+    "CaptureAdapter",
+    "CaptureError",
     "ChangeNotifier",
     "Clock",
     "ControlPlane",
     "ControlSettings",
     "ControlTelemetry",
+    "FileTokenStagingStore",
     "Job",
     "ManualClock",
     "Participant",
@@ -45,6 +59,8 @@ __all__ = [
     "Record",
     "RecordsWriter",
     "RetireMarks",
+    "RolloutTokenCapture",
+    "StreamingUnsupportedError",
     "SystemClock",
     "authorized",
     "build_report",
@@ -55,5 +71,6 @@ __all__ = [
     "make_directory_durable",
     "participant_app",
     "read_participant_checkpoint",
+    "rebuild_generation_cut",
     "write_file_durably",
 ]

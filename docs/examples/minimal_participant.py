@@ -257,6 +257,7 @@ def main(argv: list[str] | None = None) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((args.host, args.port))
+    sock.listen(2048)  # listening before we announce the port: a client may connect at once
     print(f"listening on http://{args.host}:{sock.getsockname()[1]}", flush=True)
     if token is None:
         print("MIDFLIGHT_CONTROL_TOKEN is not set: checkpointing is off", file=sys.stderr)

@@ -19,7 +19,7 @@ runner = CliRunner()
 def test_help_lists_the_registered_commands() -> None:
     result = runner.invoke(build_app(), ["--help"])
     assert result.exit_code == 0
-    assert "version" in result.output and "demo" in result.output
+    assert "version" in result.output and "demo" in result.output and "serve" in result.output
 
 
 def test_version_json() -> None:
@@ -53,3 +53,9 @@ def test_the_installed_script_runs() -> None:
         [str(script), "version"], capture_output=True, text=True, timeout=60, check=True
     )
     assert completed.stdout.startswith("midflight ")
+
+
+def test_serve_lists_the_worker() -> None:
+    result = runner.invoke(build_app(), ["serve", "--help"])
+    assert result.exit_code == 0
+    assert "worker" in result.output

@@ -1,0 +1,61 @@
+"""Append-only evidence logs that survive SIGKILL (e2e-contract §6).
+
+Each writer appends one JSON line per event and fsyncs it before acting on it, so the drill computes
+its figures from what really happened, never from in-memory counters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from participants import fsync_directory, make_directory_durable
+
+
+class EvidenceLog:
+    """One append-only JSON-lines file.
+
+    Args:
+        path: The file; its directory is created durably when missing.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        make_directory_durable(self.path.parent)
+        self._lock = threading.Lock()
+
+    def append(self, event: dict[str, Any]) -> None:
+        """Append ``event`` as one line and fsync it (blocking: call from a worker thread)."""
+        line = json.dumps(event, sort_keys=True, separators=(",", ":")) + "\n"
+        with self._lock:
+            created = not self.path.exists()
+            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, line.encode("utf-8"))
+                os.fsync(fd)  # the event must be on disk before the server acts on it
+            finally:
+                os.close(fd)
+            if created:
+                fsync_directory(self.path.parent)  # a new file's name must survive a crash too
+
+    def read(self) -> list[dict[str, Any]]:
+        """Every event so far."""
+        return read_evidence(self.path)
+
+
+def read_evidence(path: Path) -> list[dict[str, Any]]:
+    """Every event of an evidence file; a torn last line (a crash mid-write) is skipped."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events

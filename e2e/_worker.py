@@ -1,0 +1,159 @@
+"""The deterministic inference worker as an HTTP server (e2e-contract §2, §4).
+
+Routes: ``POST /v1/completions``, ``POST /ng-control/v1/generation-cut`` (bearer token; installed
+only when a control token is configured), ``GET /healthz``, and FastAPI's ``/openapi.json``. Errors
+use the project's envelope ``{"error": {"code", "detail"}}``; the bearer token is checked before the
+body is read.
+"""
+
+from __future__ import annotations
+
+import hmac
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from participants import FileTokenStagingStore
+from protocols import (
+    CompletionReply,
+    CompletionRequest,
+    GenerationCutInventory,
+    GenerationCutReceipt,
+    InternalError,
+    InvalidRequestError,
+    MidflightError,
+    TokenStagingStore,
+    UnauthorizedError,
+)
+
+from ._evidence import EvidenceLog, read_evidence
+from ._worker_engine import WorkerEngine
+
+CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
+GENERATION_CUT_ROUTE: Final = "/ng-control/v1/generation-cut"
+DEFAULT_WORKER_PORT: Final = 8701
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """How one worker runs.
+
+    Attributes:
+        root: The run root: records are staged under ``<root>/staging/`` and evidence appended to
+            ``<root>/evidence/worker.jsonl``.
+        seed: The generation seed.
+        token_delay_ms: Delay before each generated token.
+        cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
+        control_token: The bearer token of the cut route; ``None`` installs no control route.
+        name: The server's name.
+    """
+
+    root: Path
+    seed: int = 0
+    token_delay_ms: float = 2.0
+    cut_timeout_ms: float = 5000.0
+    control_token: str | None = None
+    name: str = "worker"
+
+
+def _envelope(error: MidflightError) -> JSONResponse:
+    return JSONResponse(error.envelope(), status_code=error.http_status)
+
+
+class _BearerGuard:
+    """Refuses ``/ng-control/`` requests without the right bearer token, before any body is read."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(CONTROL_ROUTE_PREFIX):
+            given = b""
+            for name, value in scope["headers"]:
+                if name == b"authorization":
+                    given = value
+            if not hmac.compare_digest(given, self._expected):
+                refusal = UnauthorizedError("missing or invalid control-plane bearer token")
+                await _envelope(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validation_detail(exc: RequestValidationError) -> str:
+    parts = []
+    for error in exc.errors()[:5]:
+        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
+        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
+    return "; ".join(parts)[:2000]
+
+
+def create_worker_app(
+    settings: WorkerSettings, *, store: TokenStagingStore | None = None
+) -> FastAPI:
+    """The worker's ASGI app.
+
+    Args:
+        settings: How the worker runs.
+        store: The staging store; a :class:`~participants.FileTokenStagingStore` under
+            ``<root>/staging/`` when omitted (tests inject failing or hanging stores).
+    """
+    engine = WorkerEngine(
+        store=store or FileTokenStagingStore(settings.root / "staging"),
+        evidence=EvidenceLog(worker_evidence_path(settings.root)),
+        seed=settings.seed,
+        token_delay_ms=settings.token_delay_ms,
+        cut_timeout_ms=settings.cut_timeout_ms,
+        name=settings.name,
+    )
+    app = FastAPI(
+        title="midflight deterministic inference worker",
+        version="1",
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.engine = engine
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _envelope(InvalidRequestError(_validation_detail(exc)))
+
+    @app.exception_handler(MidflightError)
+    async def refused(request: Request, exc: MidflightError) -> JSONResponse:
+        return _envelope(exc)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        return _envelope(InternalError(f"{type(exc).__name__}: {exc}"[:2000]))
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, Any]:
+        return {"status": "ok", "name": settings.name, "in_flight": len(engine.live)}
+
+    @app.post("/v1/completions", response_model=CompletionReply)
+    async def completions(body: CompletionRequest) -> CompletionReply:
+        return await engine.complete(body)
+
+    if settings.control_token:
+
+        @app.post(GENERATION_CUT_ROUTE, response_model=GenerationCutReceipt)
+        async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
+            return await engine.cut(body)
+
+        app.add_middleware(_BearerGuard, token=settings.control_token)
+    return app
+
+
+def worker_evidence_path(root: Path) -> Path:
+    """Where a worker with this run root appends its evidence."""
+    return root / "evidence" / "worker.jsonl"
+
+
+def read_worker_evidence(root: Path) -> list[dict[str, Any]]:
+    """The worker's evidence events under ``root`` (for tests and the drill)."""
+    return read_evidence(worker_evidence_path(root))

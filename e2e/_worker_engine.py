@@ -1,0 +1,408 @@
+"""The deterministic inference worker's engine: decode, stage, serve generation cuts.
+
+Decoding appends one token per ``token_delay_ms`` to the call's buffer on the event loop. A cut
+copies the buffer (decoding goes on), builds and stages a record on a worker thread, and seals it
+only if it became durable within the cut's deadline: the first cut of a call stages the cumulative
+prefix, later cuts stage only what was generated since. A call that finished before the cut arrived
+is answered from its completion evidence (a ``terminal_completion`` cut of its staged record).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import anyio
+import anyio.to_thread
+
+from participants import (
+    ActiveCall,
+    CaptureError,
+    RolloutTokenCapture,
+    rebuild_generation_cut,
+)
+from protocols import (
+    CaptureAdmission,
+    CommitCoords,
+    CompletionReply,
+    CompletionRequest,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    InvalidRequestError,
+    StagedCallRecord,
+    StagedEntry,
+    TokenStagingStore,
+    compute_chain_hash,
+    generate_token,
+    generation_cut_staging_key,
+)
+
+from ._evidence import EvidenceLog
+
+_log = logging.getLogger(__name__)
+
+TOKEN_LOG_PROB: Final = -math.log(37)
+"""Every generated token's log-prob: the worker draws uniformly from a 37-token alphabet."""
+TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
+FINISH_REASON: Final = "length"
+
+
+class _EngineAdapter:
+    """Reads capture material from the engine's own response dict."""
+
+    def extract_prompt_ids(self, response: dict[str, Any]) -> list[int]:
+        return list(response["prompt_token_ids"])
+
+    def extract_generation(self, response: dict[str, Any]) -> tuple[list[int], list[float]]:
+        return list(response["generated_token_ids"]), list(response["generated_logprobs"])
+
+    def extract_extras(self, response: dict[str, Any]) -> dict[str, Any] | None:
+        return None
+
+
+@dataclass
+class _LiveCall:
+    """A call being decoded, and what its cuts have sealed so far."""
+
+    call: ActiveCall
+    request_prompt: list[int]
+    engine_prompt: list[int]
+    max_tokens: int
+    continued: int
+    generated: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    staged: list[StagedCallRecord] = field(default_factory=list)
+    staged_keys: list[str] = field(default_factory=list)
+    staged_count: int = 0
+    last_sequence: int = 0
+    sealed_sequence: int = 0
+    cut_lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def capture_key(self) -> str:
+        return self.call.rollout_id
+
+
+@dataclass(frozen=True)
+class _Finished:
+    """Completion evidence of a call, kept for a cut that races its delivery."""
+
+    capture_key: str
+    coords: CommitCoords
+    generated_count: int
+    max_tokens: int
+    finished_at: float
+
+
+@dataclass
+class WorkerEngine:
+    """State and behaviour of one deterministic worker process.
+
+    Args:
+        store: Where records and cuts are staged.
+        evidence: The worker's evidence log.
+        seed: The generation seed.
+        token_delay_ms: Delay before each generated token.
+        cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
+        name: The worker's name, part of receipt snapshot ids.
+        clock: Monotonic seconds, injectable for tests.
+    """
+
+    store: TokenStagingStore
+    evidence: EvidenceLog
+    seed: int = 0
+    token_delay_ms: float = 2.0
+    cut_timeout_ms: float = 5000.0
+    name: str = "worker"
+    clock: Callable[[], float] = time.monotonic
+    live: dict[str, _LiveCall] = field(default_factory=dict)
+    finished: OrderedDict[str, _Finished] = field(default_factory=OrderedDict)
+
+    def __post_init__(self) -> None:
+        self.capture = RolloutTokenCapture(self.store, adapter=_EngineAdapter())
+
+    # --- completions -----------------------------------------------------------------------
+
+    async def complete(self, request: CompletionRequest) -> CompletionReply:
+        """Generate a whole completion, continuing a cut when the request carries one.
+
+        Raises:
+            InvalidRequestError: The admission, prefix or cut does not fit the request.
+        """
+        admission = _admission_with_cut(request)
+        if admission is None:
+            tokens = await self._decode(request.prompt_token_ids, 0, request.max_tokens, None)
+            return CompletionReply(token_ids=tokens, finish_reason=FINISH_REASON)
+        if admission.model_call_id in self.live:
+            raise InvalidRequestError(f"model call {admission.model_call_id!r} is already running")
+        live = await anyio.to_thread.run_sync(self._begin, admission, request)
+        if admission.model_call_id in self.live:  # checked again: the thread let others run
+            raise InvalidRequestError(f"model call {admission.model_call_id!r} is already running")
+        self.live[admission.model_call_id] = live
+        try:
+            await self._decode(live.request_prompt, live.continued, live.max_tokens, live)
+            response = {
+                "prompt_token_ids": live.engine_prompt,
+                "generated_token_ids": live.generated,
+                "generated_logprobs": live.log_probs,
+            }
+            coords = await anyio.to_thread.run_sync(
+                self.capture.complete_call_from_response, live.call, response
+            )
+            self._remember_finished(live, coords)
+        finally:
+            self.live.pop(admission.model_call_id, None)
+        cut = admission.generation_cut
+        await anyio.to_thread.run_sync(
+            self.evidence.append,
+            {
+                "event": "generation",
+                "capture_key": admission.rollout_id,
+                "model_call_id": admission.model_call_id,
+                "tokens_generated": len(live.generated),
+                "tokens_continued": live.continued,
+                "continued_from": None if cut is None else cut.source_model_call_id,
+                "source_capture_key": None if cut is None else cut.source_capture_key,
+                "disposition": coords.disposition,
+                "staging_key": coords.staging_key,
+                "at": time.time(),
+            },
+        )
+        completion = live.engine_prompt[len(live.request_prompt) :] + live.generated
+        return CompletionReply(
+            token_ids=completion, finish_reason=FINISH_REASON, ng_commit_coords=coords
+        )
+
+    async def _decode(
+        self, prompt: Sequence[int], start: int, stop: int, live: _LiveCall | None
+    ) -> list[int]:
+        tokens = live.generated if live is not None else []
+        log_probs = live.log_probs if live is not None else []
+        prompt_bytes = bytes(prompt)
+        for position in range(start, stop):
+            await anyio.sleep(self.token_delay_ms / 1000)
+            tokens.append(generate_token(self.seed, prompt_bytes, position))
+            log_probs.append(TOKEN_LOG_PROB)
+        return tokens
+
+    def _begin(self, admission: CaptureAdmission, request: CompletionRequest) -> _LiveCall:
+        """Resolve the prefix and the cut, and admit the call (blocking: store reads, hashing)."""
+        prompt = list(request.prompt_token_ids)
+        prefix = self._fetch_prefix(admission)
+        snapshot = None
+        cut = admission.generation_cut
+        if cut is not None:
+            records = [self._fetch(key, "generation cut").record for key in cut.staging_keys]
+            try:
+                snapshot = rebuild_generation_cut(records)
+            except ValueError as exc:
+                raise InvalidRequestError(f"the generation cut does not rebuild: {exc}") from exc
+        try:
+            call = self.capture.begin_call(
+                admission,
+                prefix_token_ids=prefix,
+                generation_cut=snapshot,
+                generation_cut_staging_keys=None if cut is None else cut.staging_keys,
+            )
+        except CaptureError as exc:
+            raise InvalidRequestError(str(exc)) from exc
+        if prompt[: admission.prev_len] != call.prefix_token_ids:
+            raise InvalidRequestError("the prompt does not start with the admitted token prefix")
+        continued: list[int] = []
+        if snapshot is not None:
+            carried = prompt[admission.prev_len :]
+            split = len(carried)
+            if (
+                snapshot.token_ids_delta[:split] != carried
+                or any(mask != 0.0 for mask in snapshot.token_mask_delta[:split])
+                or any(mask != 1.0 for mask in snapshot.token_mask_delta[split:])
+            ):
+                raise InvalidRequestError("the generation cut does not continue this prompt")
+            continued = snapshot.token_ids_delta[split:]
+            if len(continued) > request.max_tokens:
+                raise InvalidRequestError("the generation cut is longer than max_tokens")
+        return _LiveCall(
+            call=call,
+            request_prompt=prompt,
+            engine_prompt=prompt + continued,
+            max_tokens=request.max_tokens,
+            continued=len(continued),
+        )
+
+    def _fetch(self, key: str, what: str) -> StagedEntry:
+        try:
+            entry = self.store.get(key)
+        except ValueError as exc:
+            raise InvalidRequestError(
+                f"the staged {what} record {key!r} is corrupt: {exc}"
+            ) from exc
+        if entry is None:
+            raise InvalidRequestError(f"no staged {what} record under {key!r}")
+        return entry
+
+    def _fetch_prefix(self, admission: CaptureAdmission) -> list[int] | None:
+        """The parent prefix of a ``staging_chain`` admission, its chain of hashes verified."""
+        if admission.mode != "token_in" or admission.required_prefix_token_ids:
+            return None
+        prefix: list[int] = []
+        chain: str | None = None
+        for key in admission.staging_chain:
+            record = self._fetch(key, "parent").record
+            if compute_chain_hash(chain, record.token_ids_delta) != record.chain_hash:
+                raise InvalidRequestError(f"the staging chain breaks at {key!r}")
+            prefix += record.token_ids_delta
+            chain = record.chain_hash
+        if chain != admission.parent_chain_hash:
+            raise InvalidRequestError("the staging chain does not end at the parent's chain hash")
+        return prefix
+
+    def _remember_finished(self, live: _LiveCall, coords: CommitCoords) -> None:
+        now = self.clock()
+        while self.finished:
+            oldest = next(iter(self.finished.values()))
+            if now - oldest.finished_at < TERMINAL_EVIDENCE_SECONDS:
+                break
+            self.finished.popitem(last=False)
+        self.finished[live.call.model_call_id] = _Finished(
+            capture_key=live.capture_key,
+            coords=coords,
+            generated_count=live.continued + len(live.generated),
+            max_tokens=live.max_tokens,
+            finished_at=now,
+        )
+
+    # --- generation cuts -------------------------------------------------------------------
+
+    async def cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
+        """Make the generated prefix of every listed call durable, within the cut deadline.
+
+        Each call is cut concurrently and independently; one that fails or outlives the deadline
+        is acked ``durable_failure``. Decoding is never paused.
+        """
+        acks: dict[str, GenerationCutPrefixAck] = {}
+
+        async def cut_one(prefix: GenerationCutPrefix) -> None:
+            acks[prefix.ticket_id] = GenerationCutPrefixAck.failure(prefix)
+            with anyio.move_on_after(self.cut_timeout_ms / 1000):
+                try:
+                    acks[prefix.ticket_id] = await self._cut_call(inventory.checkpoint_id, prefix)
+                except Exception:
+                    # A cut is optional: its failure only costs regeneration after a restore.
+                    _log.exception("generation cut of %s failed", prefix.model_call_id)
+
+        async with anyio.create_task_group() as group:
+            for prefix in inventory.active_prefixes:
+                group.start_soon(cut_one, prefix)
+        cut_id = uuid.uuid4().hex
+        return GenerationCutReceipt(
+            checkpoint_id=inventory.checkpoint_id,
+            cut_id=cut_id,
+            inventory_digest=inventory.inventory_digest,
+            inventory=inventory,
+            backend_snapshot_id=f"{self.name}/{cut_id}",
+            prefixes=[acks[prefix.ticket_id] for prefix in inventory.active_prefixes],
+        )
+
+    async def _cut_call(
+        self, checkpoint_id: str, prefix: GenerationCutPrefix
+    ) -> GenerationCutPrefixAck:
+        live = self.live.get(prefix.model_call_id)
+        if live is None:
+            return self._terminal_ack(checkpoint_id, prefix)
+        if live.capture_key != prefix.capture_key:
+            return GenerationCutPrefixAck.failure(prefix)
+        async with live.cut_lock:
+            count = len(live.generated)  # decoding goes on past this point; the cut stops here
+            if not live.staged or count > live.staged_count:
+                sequence = live.last_sequence + 1
+                live.last_sequence = sequence
+                key = generation_cut_staging_key(live.call.model_call_id, sequence)
+                record = await anyio.to_thread.run_sync(
+                    self._stage_cut, live, key, count, abandon_on_cancel=True
+                )
+                # Reached only if the record is durable within the deadline: seal it.
+                live.staged.append(record)
+                live.staged_keys.append(key)
+                live.staged_count = count
+                live.sealed_sequence = sequence
+            # Read together under the lock: a later cut may seal more while this one answers.
+            staged = list(live.staged)
+            keys = list(live.staged_keys)
+            sealed_count = live.staged_count
+            sequence = live.sealed_sequence
+        snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
+        return GenerationCutPrefixAck(
+            **prefix.model_dump(),
+            disposition="durable_prefix",
+            cut_kind="active_prefix",
+            frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
+            staging_keys=keys,
+            prefix_token_count=live.continued + sealed_count,
+            prefix_digest=snapshot.digest,
+            effective_output_limit=live.max_tokens,
+        )
+
+    def _stage_cut(self, live: _LiveCall, key: str, count: int) -> StagedCallRecord:
+        """Build and durably stage the next cut record of a live call (blocking)."""
+        generated = live.generated[:count]
+        log_probs = live.log_probs[:count]
+        if not live.staged:
+            record = self.capture.build_prefix_record(
+                live.call,
+                prompt_token_ids=live.engine_prompt,
+                generated_token_ids=generated,
+                generated_logprobs=log_probs,
+            )
+        else:
+            record = self.capture.build_generation_chunk_record(
+                live.call,
+                staged=live.staged,
+                generated_token_ids=generated[live.staged_count :],
+                generated_logprobs=log_probs[live.staged_count :],
+            )
+        self.store.put(StagedEntry(staging_key=key, record=record))
+        return record
+
+    def _terminal_ack(
+        self, checkpoint_id: str, prefix: GenerationCutPrefix
+    ) -> GenerationCutPrefixAck:
+        """The ack of a call that finished before the cut: its staged record, if any."""
+        finished = self.finished.get(prefix.model_call_id)
+        if finished is None or finished.capture_key != prefix.capture_key:
+            return GenerationCutPrefixAck.failure(prefix)
+        coords = finished.coords
+        if coords.disposition != "staged" or coords.digest is None or coords.staging_key is None:
+            return GenerationCutPrefixAck.failure(prefix, terminal_finish_reason=FINISH_REASON)
+        return GenerationCutPrefixAck(
+            **prefix.model_dump(),
+            disposition="durable_prefix",
+            cut_kind="terminal_completion",
+            frozen_buffer_id=f"terminal/{checkpoint_id}",
+            staging_keys=[coords.staging_key],
+            prefix_token_count=finished.generated_count,
+            prefix_digest=coords.digest,
+            effective_output_limit=finished.max_tokens,
+            terminal_finish_reason=FINISH_REASON,
+        )
+
+
+def _admission_with_cut(request: CompletionRequest) -> CaptureAdmission | None:
+    """The request's admission, carrying ``ng_generation_cut`` when it came separately."""
+    admission, cut = request.ng_capture, request.ng_generation_cut
+    if admission is None:
+        if cut is not None:
+            raise InvalidRequestError("ng_generation_cut needs ng_capture")
+        return None
+    if cut is None or admission.generation_cut == cut:
+        return admission
+    if admission.generation_cut is not None:
+        raise InvalidRequestError("ng_generation_cut differs from ng_capture.generation_cut")
+    return admission.model_copy(update={"generation_cut": cut})

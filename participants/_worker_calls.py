@@ -1,0 +1,557 @@
+"""The inference worker's staging helpers: admit a call, snapshot it, complete it.
+
+A worker calls :meth:`RolloutTokenCapture.begin_call` when a call arrives, which resolves the exact
+token prefix the call must start with and, for a call that continues a generation cut, proves that
+the staged prefix belongs to this call: the right keys, the right source call and digest, the same
+lineage, the same generated-token count, a policy version not newer than the current one, and —
+the check that stops a prefix built on other parent tokens with the same parent id and length —
+chain and cumulative hashes recomputed from this call's own parent.
+
+:meth:`~RolloutTokenCapture.build_prefix_record` snapshots a live call without completing it (a
+cut stages that while decoding goes on); :meth:`~RolloutTokenCapture.build_generation_chunk_record`
+stages only what was generated since; :func:`rebuild_generation_cut` joins a cut's records back
+into one snapshot. :meth:`~RolloutTokenCapture.complete_call` builds, claims completion, stages and
+answers commit coordinates; a capture failure never fails the completion itself. Every record's
+digest is computed once.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from protocols import (
+    CaptureAdmission,
+    CommitCoords,
+    StagedCallRecord,
+    StagedEntry,
+    TokenStagingStore,
+    compute_chain_hash,
+    hash_token_ids,
+    staging_key,
+)
+
+_log = logging.getLogger(__name__)
+
+
+class CaptureError(Exception):
+    """A caller broke the capture lifecycle or handed over a prefix that does not belong.
+
+    These are caller bugs, never reasons to poison a call.
+    """
+
+
+class StreamingUnsupportedError(CaptureError):
+    """Staging covers whole responses only."""
+
+
+class CaptureAdapter(Protocol):
+    """Pulls capture material out of an engine's native response."""
+
+    def extract_prompt_ids(self, response: Any) -> list[int]:
+        """The exact prompt ids the engine decoded from."""
+
+    def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
+        """The generated ids and their log-probs."""
+
+    def extract_extras(self, response: Any) -> dict[str, Any] | None:
+        """Optional extras to stage with the record."""
+
+
+@dataclass
+class ActiveCall:
+    """One admitted call.
+
+    Attributes:
+        admission: The model server's contract for the call.
+        weight_version: The policy version generating now.
+        prefix_token_ids: The exact token prefix the engine prompt must start with (empty for a
+            text root).
+        generation_cut: The staged prefix this call continues, validated by ``begin_call``.
+        completed: Whether completion was claimed (once only).
+    """
+
+    admission: CaptureAdmission
+    weight_version: int
+    prefix_token_ids: list[int] = field(default_factory=list)
+    generation_cut: StagedCallRecord | None = None
+    completed: bool = field(default=False, init=False)
+
+    @property
+    def rollout_id(self) -> str:
+        """The capture key the call stages under."""
+        return self.admission.rollout_id
+
+    @property
+    def model_call_id(self) -> str:
+        """The call."""
+        return self.admission.model_call_id
+
+    @property
+    def oldest_weight_version(self) -> int:
+        """The oldest policy version among the call's tokens: a continued prefix may be older."""
+        if self.generation_cut is None:
+            return self.weight_version
+        return min(self.generation_cut.weight_version, self.weight_version)
+
+
+def rebuild_generation_cut(records: Sequence[StagedCallRecord]) -> StagedCallRecord:
+    """Join a cut's staged records (first the cumulative one, then chunks) into one snapshot.
+
+    Every record belongs to the same call, only the first may hold prompt tokens, and policy
+    versions never decrease. The snapshot keeps the first record's identity and version (the
+    oldest) and the last record's chain and cumulative hashes, which cover the whole prefix (see
+    ``build_generation_chunk_record``); its digest is what a cut's receipt names.
+
+    Raises:
+        ValueError: The records do not form one call's prefix.
+    """
+    if not records:
+        raise ValueError("a generation cut needs at least one staged record")
+    first = records[0]
+    if len(records) == 1:
+        return first
+    identity = _identity(first)
+    for index, record in enumerate(records[1:], start=1):
+        if _identity(record) != identity:
+            raise ValueError(f"cut record {index} belongs to another call")
+        if record.generated_token_count != record.delta_len:
+            raise ValueError(f"cut record {index} holds prompt tokens; only the first may")
+        if record.extras is not None:
+            raise ValueError(f"cut record {index} carries extras; cut chunks carry none")
+        if record.weight_version < records[index - 1].weight_version:
+            raise ValueError(f"cut record {index} has an older policy version than its predecessor")
+    if first.extras is not None:
+        raise ValueError("a chunked cut's first record carries extras; cut records carry none")
+    last = records[-1]
+    return StagedCallRecord.from_components(
+        rollout_id=first.rollout_id,
+        model_call_id=first.model_call_id,
+        parent_call_id=first.parent_call_id,
+        mode=first.mode,
+        prev_len=first.prev_len,
+        weight_version=first.weight_version,
+        token_ids_delta=[t for record in records for t in record.token_ids_delta],
+        token_mask_delta=[m for record in records for m in record.token_mask_delta],
+        generation_log_probs_delta=[
+            p for record in records for p in record.generation_log_probs_delta
+        ],
+        chain_hash=last.chain_hash,
+        cumulative_hash=last.cumulative_hash,
+    )
+
+
+def _identity(record: StagedCallRecord) -> tuple[str, str, str | None, str, int]:
+    return (
+        record.rollout_id,
+        record.model_call_id,
+        record.parent_call_id,
+        record.mode,
+        record.prev_len,
+    )
+
+
+class RolloutTokenCapture:
+    """Admit, snapshot, stage and acknowledge one worker's calls.
+
+    Args:
+        store: Where records are staged (durable before ``put`` returns).
+        weight_version_fn: The policy version generating now; ``begin_call`` may be given the
+            engine's version instead.
+        adapter: Extracts capture material from engine responses, for
+            :meth:`complete_call_from_response`.
+    """
+
+    def __init__(
+        self,
+        store: TokenStagingStore,
+        *,
+        weight_version_fn: Callable[[], int] = lambda: 0,
+        adapter: CaptureAdapter | None = None,
+    ) -> None:
+        self._store = store
+        self._weight_version_fn = weight_version_fn
+        self._adapter = adapter
+        # Guards only the claim of completion; staging itself runs unlocked so that concurrent
+        # calls never queue behind one store round trip.
+        self._completion_lock = threading.Lock()
+
+    def begin_call(
+        self,
+        admission: CaptureAdmission,
+        *,
+        prefix_token_ids: Sequence[int] | None = None,
+        generation_cut: StagedCallRecord | None = None,
+        generation_cut_staging_keys: Sequence[str] | None = None,
+        stream: bool = False,
+        weight_version: int | None = None,
+    ) -> ActiveCall:
+        """Admit a call and stamp its policy version.
+
+        Args:
+            admission: The model server's contract for the call.
+            prefix_token_ids: The resolved parent prefix of a ``token_in`` call; required when the
+                admission names a ``staging_chain`` instead of an inline prefix, and must agree
+                with an inline one.
+            generation_cut: The staged prefix the call continues, rebuilt from the records under
+                ``admission.generation_cut.staging_keys`` (:func:`rebuild_generation_cut`).
+            generation_cut_staging_keys: The keys ``generation_cut`` was fetched from.
+            stream: Whether the engine streams the response (unsupported).
+            weight_version: The engine's policy version; ``weight_version_fn()`` when omitted.
+
+        Raises:
+            TypeError: ``admission`` is not a :class:`CaptureAdmission`.
+            StreamingUnsupportedError: ``stream`` is true.
+            CaptureError: The prefix, the version or the generation cut does not fit.
+        """
+        if not isinstance(admission, CaptureAdmission):
+            raise TypeError(f"admission must be a CaptureAdmission, not {type(admission).__name__}")
+        where = f"rollout {admission.rollout_id} call {admission.model_call_id}"
+        if stream:
+            raise StreamingUnsupportedError(f"{where}: staging does not support streaming")
+        prefix = _resolve_prefix(admission, prefix_token_ids, where)
+        version = self._weight_version_fn() if weight_version is None else weight_version
+        if type(version) is not int or version < 0:
+            raise CaptureError(f"{where}: the policy version must be an int >= 0, got {version!r}")
+        if generation_cut is not None:
+            _check_generation_cut(
+                admission,
+                generation_cut,
+                prefix=prefix,
+                staging_keys=generation_cut_staging_keys,
+                weight_version=version,
+                where=where,
+            )
+        elif admission.generation_cut is not None:
+            raise CaptureError(f"{where}: the admission continues a cut but no snapshot was given")
+        return ActiveCall(
+            admission=admission,
+            weight_version=version,
+            prefix_token_ids=prefix,
+            generation_cut=generation_cut,
+        )
+
+    def build_prefix_record(
+        self,
+        call: ActiveCall,
+        *,
+        prompt_token_ids: Sequence[int],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+        extras: dict[str, Any] | None = None,
+    ) -> StagedCallRecord:
+        """Snapshot a live call without completing it.
+
+        Without a cut the delta is the prompt past ``prev_len`` (mask 0.0) and the generated
+        tokens (mask 1.0). With a cut the prompt must be the prefix plus the cut's tokens, and the
+        delta is the cut's tokens (their masks and log-probs kept) followed by the new ones. The
+        record is stamped with the oldest contributing policy version.
+
+        Raises:
+            ValueError: The prompt does not start with the authorized prefix, the columns
+                disagree, or the record breaks a staging rule.
+        """
+        admission = call.admission
+        prompt = list(prompt_token_ids)
+        generated = list(generated_token_ids)
+        log_probs = list(generated_logprobs)
+        if len(generated) != len(log_probs):
+            raise ValueError("generated token ids and log-probs must have equal lengths")
+        if prompt[: admission.prev_len] != call.prefix_token_ids:
+            raise ValueError("the prompt does not start with the authorized token prefix")
+        cut = call.generation_cut
+        if cut is None:
+            carried = prompt[admission.prev_len :]
+            tokens = carried + generated
+            masks = [0.0] * len(carried) + [1.0] * len(generated)
+            delta_log_probs = [0.0] * len(carried) + log_probs
+        else:
+            if prompt != call.prefix_token_ids + cut.token_ids_delta:
+                raise ValueError("the prompt is not the prefix followed by the cut's tokens")
+            tokens = cut.token_ids_delta + generated
+            masks = cut.token_mask_delta + [1.0] * len(generated)
+            delta_log_probs = cut.generation_log_probs_delta + log_probs
+        return _record_of(
+            admission,
+            weight_version=call.oldest_weight_version,
+            tokens=tokens,
+            masks=masks,
+            log_probs=delta_log_probs,
+            chain_hash=compute_chain_hash(admission.parent_chain_hash, tokens),
+            cumulative_hash=hash_token_ids(prompt + generated),
+            extras=extras,
+        )
+
+    def build_generation_chunk_record(
+        self,
+        call: ActiveCall,
+        *,
+        staged: Sequence[StagedCallRecord],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+    ) -> StagedCallRecord:
+        """Stage only the tokens generated since the call's last staged record.
+
+        The delta is the new tokens (mask 1.0), under the call's identity and current policy
+        version. Its chain and cumulative hashes are those of the call's whole staged prefix
+        through this chunk — ``staged`` deltas plus the new tokens, on the call's own parent — so
+        each chunk is checkable against the call's parent on its own, and the last chunk carries
+        the hashes of the snapshot :func:`rebuild_generation_cut` produces.
+
+        Args:
+            call: The live call.
+            staged: The call's records staged so far, in order (the first is cumulative).
+            generated_token_ids: The new tokens, at least one.
+            generated_logprobs: Their log-probs.
+
+        Raises:
+            ValueError: No new tokens, unequal columns, no earlier record, or a record of another
+                call.
+        """
+        generated = list(generated_token_ids)
+        log_probs = list(generated_logprobs)
+        if not generated:
+            raise ValueError("a generation chunk needs at least one token")
+        if len(generated) != len(log_probs):
+            raise ValueError("generated token ids and log-probs must have equal lengths")
+        if not staged:
+            raise ValueError("a chunk follows a cumulative record; stage build_prefix_record first")
+        admission = call.admission
+        if any(
+            (r.rollout_id, r.model_call_id) != (call.rollout_id, call.model_call_id) for r in staged
+        ):
+            raise ValueError("a staged record belongs to another call")
+        whole = [t for record in staged for t in record.token_ids_delta] + generated
+        return _record_of(
+            admission,
+            weight_version=call.weight_version,
+            tokens=generated,
+            masks=[1.0] * len(generated),
+            log_probs=log_probs,
+            chain_hash=compute_chain_hash(admission.parent_chain_hash, whole),
+            cumulative_hash=hash_token_ids(call.prefix_token_ids + whole),
+        )
+
+    def complete_call(
+        self,
+        call: ActiveCall,
+        *,
+        prompt_token_ids: Sequence[int],
+        generated_token_ids: Sequence[int],
+        generated_logprobs: Sequence[float],
+        extras: dict[str, Any] | None = None,
+        attachments: Mapping[str, Any] | None = None,
+    ) -> CommitCoords:
+        """Build the call's record, claim completion, stage it and answer its coordinates.
+
+        Completion is claimed only once the record is valid; a record that cannot be built, a
+        store that fails, all answer ``capture_failed`` coordinates instead of failing the call.
+
+        Raises:
+            CaptureError: Completion was already claimed.
+        """
+        try:
+            record = self.build_prefix_record(
+                call,
+                prompt_token_ids=prompt_token_ids,
+                generated_token_ids=generated_token_ids,
+                generated_logprobs=generated_logprobs,
+                extras=extras,
+            )
+        except (TypeError, ValueError, OverflowError):
+            _log.exception(
+                "could not build the record of %s/%s", call.rollout_id, call.model_call_id
+            )
+            return self.fail_call(call)
+        self._claim_completion(call)
+        key = staging_key(record.rollout_id, record.model_call_id)
+        try:
+            entry = StagedEntry(
+                staging_key=key,
+                record=record,
+                attachments=None if attachments is None else dict(attachments),
+            )
+            self._store.put(entry)
+        except Exception:
+            # The store is outside our control; its failure costs the capture, not the completion.
+            _log.exception("staging failed for %s/%s", call.rollout_id, call.model_call_id)
+            return _failed_coords(call)
+        return CommitCoords(
+            rollout_id=record.rollout_id,
+            model_call_id=record.model_call_id,
+            parent_call_id=record.parent_call_id,
+            prev_len=record.prev_len,
+            delta_len=record.delta_len,
+            cum_len=record.cum_len,
+            weight_version=record.weight_version,
+            disposition="staged",
+            digest=record.digest,
+            extras_digest=record.extras_digest,
+            staging_key=key,
+            chain_hash=record.chain_hash,
+            cumulative_hash=record.cumulative_hash,
+        )
+
+    def complete_call_from_response(
+        self,
+        call: ActiveCall,
+        response: Any,
+        *,
+        attachments: Mapping[str, Any] | None = None,
+    ) -> CommitCoords:
+        """:meth:`complete_call` with the material extracted by the adapter.
+
+        Raises:
+            CaptureError: There is no adapter, or completion was already claimed.
+        """
+        if self._adapter is None:
+            raise CaptureError("complete_call_from_response needs a CaptureAdapter")
+        try:
+            prompt = self._adapter.extract_prompt_ids(response)
+            generated, log_probs = self._adapter.extract_generation(response)
+            extras = self._adapter.extract_extras(response)
+        except Exception:
+            # Adapters are engine code with their own exception types; extraction failure costs
+            # the capture only.
+            _log.exception("extraction failed for %s/%s", call.rollout_id, call.model_call_id)
+            return self.fail_call(call)
+        return self.complete_call(
+            call,
+            prompt_token_ids=prompt,
+            generated_token_ids=generated,
+            generated_logprobs=log_probs,
+            extras=extras,
+            attachments=attachments,
+        )
+
+    def fail_call(self, call: ActiveCall) -> CommitCoords:
+        """Claim completion without staging: answer ``capture_failed`` coordinates.
+
+        Raises:
+            CaptureError: Completion was already claimed.
+        """
+        self._claim_completion(call)
+        return _failed_coords(call)
+
+    def _claim_completion(self, call: ActiveCall) -> None:
+        with self._completion_lock:
+            if call.completed:
+                raise CaptureError(
+                    f"rollout {call.rollout_id} call {call.model_call_id} was already completed"
+                )
+            call.completed = True
+
+
+def _record_of(
+    admission: CaptureAdmission,
+    *,
+    weight_version: int,
+    tokens: list[int],
+    masks: list[float],
+    log_probs: list[float],
+    chain_hash: str,
+    cumulative_hash: str,
+    extras: dict[str, Any] | None = None,
+) -> StagedCallRecord:
+    """A record under the admission's identity; its digest computed once."""
+    return StagedCallRecord.from_components(
+        rollout_id=admission.rollout_id,
+        model_call_id=admission.model_call_id,
+        parent_call_id=admission.parent_call_id,
+        mode=admission.mode,
+        prev_len=admission.prev_len,
+        weight_version=weight_version,
+        token_ids_delta=tokens,
+        token_mask_delta=masks,
+        generation_log_probs_delta=log_probs,
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
+        extras=extras,
+    )
+
+
+def _failed_coords(call: ActiveCall) -> CommitCoords:
+    admission = call.admission
+    return CommitCoords(
+        rollout_id=admission.rollout_id,
+        model_call_id=admission.model_call_id,
+        parent_call_id=admission.parent_call_id,
+        prev_len=admission.prev_len,
+        delta_len=0,
+        cum_len=admission.prev_len,
+        weight_version=call.oldest_weight_version,
+        disposition="capture_failed",
+    )
+
+
+def _resolve_prefix(
+    admission: CaptureAdmission, prefix_token_ids: Sequence[int] | None, where: str
+) -> list[int]:
+    given = None if prefix_token_ids is None else list(prefix_token_ids)
+    if given is not None and any(type(t) is not int or t < 0 for t in given):
+        raise CaptureError(f"{where}: prefix_token_ids must be non-negative ints")
+    if admission.mode == "text":
+        if given:
+            raise CaptureError(f"{where}: a text root takes no prefix")
+        return []
+    inline = list(admission.required_prefix_token_ids)
+    if given is None:
+        if not inline:
+            raise CaptureError(f"{where}: a staging_chain admission needs the resolved prefix")
+        return inline
+    if len(given) != admission.prev_len:
+        raise CaptureError(
+            f"{where}: the prefix holds {len(given)} ids, prev_len is {admission.prev_len}"
+        )
+    if inline and inline != given:
+        raise CaptureError(f"{where}: the prefix disagrees with the admission's inline prefix")
+    return given
+
+
+def _check_generation_cut(
+    admission: CaptureAdmission,
+    snapshot: StagedCallRecord,
+    *,
+    prefix: list[int],
+    staging_keys: Sequence[str] | None,
+    weight_version: int,
+    where: str,
+) -> None:
+    continuation = admission.generation_cut
+    if continuation is None:
+        raise CaptureError(f"{where}: the admission does not authorize continuing a cut")
+    if staging_keys is None or list(staging_keys) != continuation.staging_keys:
+        raise CaptureError(f"{where}: the cut was fetched from other staging keys")
+    if (
+        snapshot.rollout_id != continuation.source_capture_key
+        or snapshot.model_call_id != continuation.source_model_call_id
+    ):
+        raise CaptureError(f"{where}: the cut belongs to another source call")
+    if snapshot.digest != continuation.prefix_digest:
+        raise CaptureError(f"{where}: the cut's digest differs from the continuation's")
+    if (snapshot.parent_call_id, snapshot.prev_len, snapshot.mode) != (
+        admission.parent_call_id,
+        admission.prev_len,
+        admission.mode,
+    ):
+        raise CaptureError(f"{where}: the cut's lineage differs from the replacement call's")
+    if snapshot.generated_token_count != continuation.prefix_token_count:
+        raise CaptureError(
+            f"{where}: the cut holds {snapshot.generated_token_count} generated tokens, "
+            f"the continuation says {continuation.prefix_token_count}"
+        )
+    if snapshot.weight_version > weight_version:
+        raise CaptureError(
+            f"{where}: the cut's policy version {snapshot.weight_version} is newer than the "
+            f"current {weight_version}"
+        )
+    # The digest only vouches for the snapshot's own fields. Recompute both hashes from this
+    # call's parent so that a prefix built on other parent tokens (same parent id and length)
+    # cannot be spliced in.
+    if compute_chain_hash(admission.parent_chain_hash, snapshot.token_ids_delta) != (
+        snapshot.chain_hash
+    ) or hash_token_ids(prefix + snapshot.token_ids_delta) != (snapshot.cumulative_hash):
+        raise CaptureError(f"{where}: the cut was built on other parent tokens")

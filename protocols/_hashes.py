@@ -1,0 +1,264 @@
+"""The staging hash functions, byte for byte.
+
+Four digests bind staged token data to the token-free capture ledger:
+
+- the **cumulative hash** of an exact token sequence (``hash_token_ids``);
+- the **chain hash** of a call's delta on top of its parent's chain hash (``compute_chain_hash``),
+  so ``chain_N = H(chain_{N-1} || delta_N)`` proves continuity without materializing tokens;
+- the **extras digest** of a call's optional extras (``compute_extras_digest``), a typed binary
+  encoding rather than JSON so that runtimes cannot disagree;
+- the **staging digest v2** of a whole staged call (``compute_staging_digest``).
+
+Layouts (every length is a u64 big-endian *byte* count unless it says elements):
+
+- token block: u64 element count, then each id as u64 big-endian;
+- float block: u64 element count, then each value as float32 big-endian;
+- text: u64 length + UTF-8; optional text: ``0x00`` or ``0x01`` + text;
+- staging digest: domain, bytes (schema 2, digest 2, extras 1), rollout id, model call id, optional
+  parent, mode; u64 prev_len, delta_len, cum_len, weight_version; each of the token, mask and
+  log-prob blocks prefixed by its own u64 byte length; the 32 raw extras-digest bytes;
+  ``0x01`` + 32 bytes chain hash; ``0x01`` + 32 bytes cumulative hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from ._records import SHA256_HEX_PATTERN
+from ._strict import EXTRAS_DIGEST_VERSION, STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION
+
+CALL_DIGEST_DOMAIN: Final = b"nemo-gym-staging-call-v2"
+EXTRAS_DIGEST_DOMAIN: Final = b"nemo-gym-staging-extras-v1"
+CUMULATIVE_HASH_DOMAIN: Final = b"nemo-gym-staging-prefix-v2"
+CHAIN_HASH_DOMAIN: Final = b"nemo-gym-staging-chain-v1"
+CAPTURE_MODES: Final = ("text", "token_in")
+
+_U64_MAX: Final = 2**64 - 1
+_DIGEST = re.compile(SHA256_HEX_PATTERN)
+
+
+def _u64(value: int, *, field: str) -> bytes:
+    if type(value) is not int or not 0 <= value <= _U64_MAX:
+        raise ValueError(f"{field} must be an unsigned 64-bit integer, got {value!r}")
+    return struct.pack(">Q", value)
+
+
+def _text(value: str, *, field: str) -> bytes:
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be text, got {type(value).__name__}")
+    data = value.encode("utf-8")
+    return struct.pack(">Q", len(data)) + data
+
+
+def _digest_bytes(value: str, *, field: str) -> bytes:
+    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+        raise ValueError(f"{field} must be a lowercase SHA-256 hex digest")
+    return bytes.fromhex(value)
+
+
+def encode_token_ids(token_ids: Sequence[int]) -> bytes:
+    """The token block: u64 element count, then each id as u64 big-endian.
+
+    Raises:
+        ValueError: An id is not an exact integer in ``[0, 2**64)``.
+    """
+    for token_id in token_ids:
+        if type(token_id) is not int or not 0 <= token_id <= _U64_MAX:
+            raise ValueError(f"a token id must be an unsigned 64-bit integer, got {token_id!r}")
+    return struct.pack(f">Q{len(token_ids)}Q", len(token_ids), *token_ids)
+
+
+def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
+    for value in values:
+        if type(value) is not float or not math.isfinite(value):
+            raise ValueError(f"{field} must hold finite floats, got {value!r}")
+    try:
+        packed = struct.pack(f">{len(values)}f", *values)
+    except (OverflowError, struct.error) as exc:
+        raise ValueError(f"{field} holds a value float32 cannot represent") from exc
+    if not all(map(math.isfinite, struct.unpack(f">{len(values)}f", packed))):
+        raise ValueError(f"{field} holds a value that overflows float32")
+    return struct.pack(">Q", len(values)) + packed
+
+
+def hash_token_ids(token_ids: Sequence[int]) -> str:
+    """The cumulative hash of one exact token sequence (SHA-256 hex)."""
+    return hashlib.sha256(CUMULATIVE_HASH_DOMAIN + encode_token_ids(token_ids)).hexdigest()
+
+
+def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[int]) -> str:
+    """The chain hash of a delta on top of its parent's chain hash; a root chains from ``None``.
+
+    Raises:
+        ValueError: The parent is not a digest or a token id is out of range.
+    """
+    if parent_chain_hash is None:
+        parent = b"\x00"
+    else:
+        parent = b"\x01" + _digest_bytes(parent_chain_hash, field="parent_chain_hash")
+    return hashlib.sha256(
+        CHAIN_HASH_DOMAIN + parent + encode_token_ids(token_ids_delta)
+    ).hexdigest()
+
+
+def _encode_extra(value: Any) -> bytes:
+    # Exact types only: a numpy scalar, a tuple or bytes must not silently pick an encoding.
+    if value is None:
+        return b"N"
+    if type(value) is bool:
+        return b"B\x01" if value else b"B\x00"
+    if type(value) is int:
+        if not -(2**63) <= value < 2**63:
+            raise ValueError(f"an extras integer is outside the signed 64-bit range: {value}")
+        return b"I" + struct.pack(">q", value)
+    if type(value) is float:
+        if not math.isfinite(value):
+            raise ValueError(f"extras floats must be finite, got {value!r}")
+        return b"F" + struct.pack(">d", value)
+    if type(value) is str:
+        return b"S" + _text(value, field="extras text")
+    if type(value) is list:
+        return b"L" + struct.pack(">Q", len(value)) + b"".join(map(_encode_extra, value))
+    if type(value) is dict:
+        if any(type(key) is not str for key in value):
+            raise TypeError("extras mappings must have string keys")
+        keys = sorted(value, key=lambda key: key.encode("utf-8"))
+        return (
+            b"D"
+            + struct.pack(">Q", len(keys))
+            + b"".join(_text(key, field="extras key") + _encode_extra(value[key]) for key in keys)
+        )
+    raise TypeError(f"extras cannot hold a {type(value).__name__}")
+
+
+def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
+    """The extras digest: domain, version byte 1, then the typed encoding of the mapping or ``None``.
+
+    Raises:
+        TypeError: A value has a type the encoding does not support.
+        ValueError: An integer leaves the i64 range or a float is not finite.
+    """
+    if extras is not None and not isinstance(extras, Mapping):
+        raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
+    normalized = None if extras is None else dict(extras)
+    payload = bytes([EXTRAS_DIGEST_VERSION]) + _encode_extra(normalized)
+    return hashlib.sha256(EXTRAS_DIGEST_DOMAIN + payload).hexdigest()
+
+
+EMPTY_EXTRAS_DIGEST: Final = compute_extras_digest(None)
+"""The extras digest of a call without extras."""
+
+
+def check_staged_layout(
+    *,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    token_ids_delta: Sequence[int],
+    token_mask_delta: Sequence[float],
+    generation_log_probs_delta: Sequence[float],
+) -> None:
+    """The structural rules of a staged call, without hashing.
+
+    Root ⇔ no parent ⇔ ``prev_len == 0`` ⇔ mode ``text``; a child is ``token_in``. The delta is
+    non-empty, ``delta_len`` counts it, the three columns have equal lengths,
+    ``cum_len == prev_len + delta_len``, masks are 0.0 or 1.0 and a masked-out log-prob is 0.0.
+
+    Raises:
+        ValueError: A rule is broken.
+    """
+    if parent_call_id == "":
+        raise ValueError("parent_call_id must be non-empty when present")
+    if mode not in CAPTURE_MODES:
+        raise ValueError(f"unknown capture mode {mode!r}")
+    if parent_call_id is None and (prev_len != 0 or mode != "text"):
+        raise ValueError("a call without a parent must be a text-mode root with prev_len 0")
+    if parent_call_id is not None and (prev_len == 0 or mode != "token_in"):
+        raise ValueError("a child call must be token_in with prev_len > 0")
+    if delta_len < 1:
+        raise ValueError("a staged delta must hold at least one token")
+    if delta_len != len(token_ids_delta):
+        raise ValueError(f"delta_len {delta_len} does not count {len(token_ids_delta)} token ids")
+    if not len(token_ids_delta) == len(token_mask_delta) == len(generation_log_probs_delta):
+        raise ValueError("token ids, masks and log-probs must have equal lengths")
+    if cum_len != prev_len + delta_len:
+        raise ValueError(f"cum_len {cum_len} is not prev_len + delta_len ({prev_len + delta_len})")
+    for mask, log_prob in zip(token_mask_delta, generation_log_probs_delta, strict=True):
+        if mask not in (0.0, 1.0):
+            raise ValueError(f"a token mask must be 0.0 or 1.0, got {mask!r}")
+        if mask == 0.0 and log_prob != 0.0:
+            raise ValueError("a masked-out (prompt) token must carry log-prob 0.0")
+
+
+def compute_staging_digest(
+    *,
+    schema_version: int,
+    digest_version: int,
+    extras_digest_version: int,
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+    token_ids_delta: Sequence[int],
+    token_mask_delta: Sequence[float],
+    generation_log_probs_delta: Sequence[float],
+    extras_digest: str,
+    chain_hash: str,
+    cumulative_hash: str,
+) -> str:
+    """The staging digest v2 of one staged call, after checking every structural rule.
+
+    Raises:
+        ValueError: A version is unsupported, a rule of :func:`check_staged_layout` is broken, an
+            identifier is empty, or a value cannot be encoded.
+    """
+    versions = (schema_version, digest_version, extras_digest_version)
+    expected = (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
+    if any(type(v) is not int for v in versions) or versions != expected:
+        raise ValueError(f"unsupported staging versions {versions}; this code speaks {expected}")
+    if not rollout_id or not model_call_id:
+        raise ValueError("rollout_id and model_call_id must be non-empty")
+    check_staged_layout(
+        parent_call_id=parent_call_id,
+        mode=mode,
+        prev_len=prev_len,
+        delta_len=delta_len,
+        cum_len=cum_len,
+        token_ids_delta=token_ids_delta,
+        token_mask_delta=token_mask_delta,
+        generation_log_probs_delta=generation_log_probs_delta,
+    )
+    parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, field="parent")
+    digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
+    digest.update(bytes(versions))
+    digest.update(_text(rollout_id, field="rollout_id"))
+    digest.update(_text(model_call_id, field="model_call_id"))
+    digest.update(parent)
+    digest.update(_text(mode, field="mode"))
+    digest.update(_u64(prev_len, field="prev_len"))
+    digest.update(_u64(delta_len, field="delta_len"))
+    digest.update(_u64(cum_len, field="cum_len"))
+    digest.update(_u64(weight_version, field="weight_version"))
+    for block in (
+        encode_token_ids(token_ids_delta),
+        _encode_float32s(token_mask_delta, field="token_mask_delta"),
+        _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta"),
+    ):
+        # Double-prefixed: the block's byte length, then the block (which starts with its count).
+        digest.update(struct.pack(">Q", len(block)))
+        digest.update(block)
+    digest.update(_digest_bytes(extras_digest, field="extras_digest"))
+    digest.update(b"\x01" + _digest_bytes(chain_hash, field="chain_hash"))
+    digest.update(b"\x01" + _digest_bytes(cumulative_hash, field="cumulative_hash"))
+    return digest.hexdigest()

@@ -1,0 +1,69 @@
+"""Start a real ``midflight serve`` process for a test and always kill its process group."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+_LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
+
+
+@contextmanager
+def serve(
+    role: str, *args: str, log: Path, env: dict[str, str] | None = None
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """Run ``python -m e2e serve <role> --port 0 <args>``; yield its URL and the process."""
+    command = [sys.executable, "-m", "e2e", "serve", role, "--port", "0", *args]
+    with open(log, "ab") as stderr:
+        process = subprocess.Popen(
+            command,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+    try:
+        assert process.stdout is not None
+        yield _read_url(process), process
+    finally:
+        kill_group(process)
+
+
+def _read_url(process: subprocess.Popen[bytes]) -> str:
+    assert process.stdout is not None
+    deadline = time.monotonic() + 30
+    seen = b""
+    with selectors.DefaultSelector() as selector:
+        selector.register(process.stdout, selectors.EVENT_READ)
+        while time.monotonic() < deadline:
+            if selector.select(timeout=0.1):
+                chunk = os.read(process.stdout.fileno(), 4096)
+                if not chunk:
+                    break
+                seen += chunk
+                match = _LISTENING.search(seen)
+                if match:
+                    return match.group(1).decode()
+            elif process.poll() is not None:
+                break
+    raise AssertionError(f"the server never reported its port; stdout so far: {seen!r}")
+
+
+def kill_group(process: subprocess.Popen[bytes]) -> None:
+    """SIGKILL the process group, reap the process and close its pipes."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it may have died on its own meanwhile
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=30)
+    if process.stdout is not None:
+        process.stdout.close()

@@ -1,0 +1,125 @@
+"""The real worker process: a cut mid-decode, a SIGKILL, a fresh process continuing the cut."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import httpx
+import pytest
+
+from e2e._worker import read_worker_evidence
+from protocols import (
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutReceipt,
+    encode,
+    generate_tokens,
+    render_prompt,
+)
+from tests.e2e.processes import kill_group, serve
+
+pytestmark = [pytest.mark.process, pytest.mark.anyio]
+TOKEN = "process-test-token"
+PROMPT = encode(
+    render_prompt([{"role": "system", "content": "counter"}, {"role": "user", "content": "p1 3"}])
+)
+MAX_TOKENS = 60
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _completion(call: str, key: str) -> dict[str, object]:
+    return {
+        "prompt_token_ids": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "ng_capture": {"rollout_id": key, "model_call_id": call, "mode": "text"},
+    }
+
+
+async def test_a_cut_survives_sigkill_and_a_fresh_worker_generates_only_the_rest(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "run"
+    args = ("--root", str(root), "--token-delay-ms", "20", "--seed", "3")
+    env = {"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
+    log = tmp_path / "worker.log"
+    with serve("worker", *args, log=log, env=env) as (url, process):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            outcome: dict[str, object] = {}
+
+            async def doomed_call() -> None:
+                try:
+                    outcome["reply"] = await client.post(
+                        "/v1/completions", json=_completion("c1", "p1")
+                    )
+                except httpx.TransportError as exc:
+                    outcome["error"] = exc
+
+            async with anyio.create_task_group() as group:
+                group.start_soon(doomed_call)
+                with anyio.fail_after(20):
+                    while (await client.get("/healthz")).json()["in_flight"] < 1:  # noqa: ASYNC110
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.2)  # let a few tokens decode
+                prefix = GenerationCutPrefix(
+                    ticket_id="t1", rollout_id="p1", attempt=0, model_call_id="c1", admitted_at=2.5
+                )
+                inventory = GenerationCutInventory.build(
+                    checkpoint_id="ckpt-1", server_name="policy", active_prefixes=[prefix]
+                )
+                reply = await client.post(
+                    "/ng-control/v1/generation-cut",
+                    content=inventory.model_dump_json(),
+                    headers={
+                        "authorization": f"Bearer {TOKEN}",
+                        "content-type": "application/json",
+                    },
+                )
+                assert reply.status_code == 200, reply.text
+                receipt = GenerationCutReceipt.model_validate_json(reply.content)
+                receipt.validate_for(inventory)
+                kill_group(process)  # the crash: mid-decode, right after the receipt
+    [ack] = receipt.prefixes
+    assert ack.disposition == "durable_prefix" and ack.cut_kind == "active_prefix"
+    cut = ack.prefix_token_count or 0
+    assert 0 < cut < MAX_TOKENS, "the cut must land in the middle of the decode"
+    assert "error" in outcome, "the original call must have died with its worker"
+    assert read_worker_evidence(root) == []  # it never finished anywhere
+
+    with serve("worker", *args, log=log, env=env) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            replacement = _completion("c1-retry", "p1-a1")
+            replacement["ng_generation_cut"] = ack.continuation().model_dump(mode="json")
+            reply = await client.post("/v1/completions", json=replacement)
+    assert reply.status_code == 200, reply.text
+    assert reply.json()["token_ids"] == generate_tokens(3, PROMPT, 0, MAX_TOKENS)
+    [event] = read_worker_evidence(root)
+    assert event["model_call_id"] == "c1-retry" and event["continued_from"] == "c1"
+    assert event["tokens_continued"] == cut
+    assert event["tokens_generated"] == MAX_TOKENS - cut
+
+
+async def test_serve_worker_reports_its_port_and_without_a_token_has_no_cut_route(
+    tmp_path: Path,
+) -> None:
+    with serve(
+        "worker",
+        "--root",
+        str(tmp_path),
+        "--token-delay-ms",
+        "0",
+        log=tmp_path / "w.log",
+        env={"MIDFLIGHT_CONTROL_TOKEN": ""},
+    ) as (url, _):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            cut = await client.post("/ng-control/v1/generation-cut", json={})
+            assert cut.status_code == 404
+            reply = await client.post(
+                "/v1/completions", json={"prompt_token_ids": PROMPT, "max_tokens": 4}
+            )
+            assert reply.json()["token_ids"] == generate_tokens(0, PROMPT, 0, 4)

@@ -1,0 +1,249 @@
+"""Generation-cut wire models: inventory digest, ack rules, receipt checks, continuation."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from protocols import (
+    GenerationCutContinuation,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    GenerationCutRecord,
+    inventory_digest,
+)
+
+DIGEST = "ef" * 32
+
+
+def _prefix(ticket: str, call: str = "c1", **changes: Any) -> GenerationCutPrefix:
+    fields: dict[str, Any] = {
+        "ticket_id": ticket,
+        "rollout_id": "r1",
+        "attempt": 1,
+        "model_call_id": call,
+        "admitted_at": 1700000000.25,
+    }
+    fields.update(changes)
+    return GenerationCutPrefix(**fields)
+
+
+def _inventory() -> GenerationCutInventory:
+    return GenerationCutInventory.build(
+        checkpoint_id="ckpt-1",
+        server_name="policy",
+        active_prefixes=[_prefix("t2", "c2"), _prefix("t1", "c1")],
+    )
+
+
+def test_the_inventory_digest_is_canonical_json_sorted_by_ticket() -> None:
+    inventory = _inventory()
+    assert [p.ticket_id for p in inventory.active_prefixes] == ["t1", "t2"]
+    canonical = json.dumps(
+        {
+            "checkpoint_id": "ckpt-1",
+            "server_name": "policy",
+            "active_prefixes": [
+                {
+                    "ticket_id": t,
+                    "rollout_id": "r1",
+                    "attempt": 1,
+                    "model_call_id": c,
+                    "admitted_at": 1700000000.25,
+                }
+                for t, c in (("t1", "c1"), ("t2", "c2"))
+            ],
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+        ensure_ascii=True,
+    )
+    assert '"admitted_at":1700000000.25' in canonical
+    assert inventory.inventory_digest == hashlib.sha256(canonical.encode()).hexdigest()
+    assert inventory.inventory_digest == (
+        "3df463b3896dcff3af2d1658dce787c90709ef7bf7cc44c8d9c8f07c877d00b2"
+    )
+    assert inventory_digest("ckpt-1", "policy", reversed(inventory.active_prefixes)) == (
+        inventory.inventory_digest
+    )
+    assert GenerationCutInventory.model_validate_json(inventory.model_dump_json()) == inventory
+
+
+def test_an_inventory_with_a_wrong_digest_or_order_is_refused() -> None:
+    data = _inventory().model_dump()
+    with pytest.raises(ValidationError, match="inventory_digest"):
+        GenerationCutInventory.model_validate({**data, "server_name": "other"})
+    with pytest.raises(ValidationError, match="sorted"):
+        GenerationCutInventory.model_validate(
+            {**data, "active_prefixes": list(reversed(data["active_prefixes"]))}
+        )
+    with pytest.raises(ValidationError, match="unique"):
+        GenerationCutInventory.build(
+            checkpoint_id="ckpt-1", server_name="p", active_prefixes=[_prefix("t1"), _prefix("t1")]
+        )
+
+
+def test_prefixes_use_the_rollout_id_rule_and_exact_floats() -> None:
+    with pytest.raises(ValidationError):
+        _prefix("t1", rollout_id="r1-a2")
+    with pytest.raises(ValidationError):
+        _prefix("t1", admitted_at=1700000000)
+    assert _prefix("t1").capture_key == "r1-a1"
+
+
+def _durable(prefix: GenerationCutPrefix, **changes: Any) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        **prefix.model_dump(),
+        "disposition": "durable_prefix",
+        "cut_kind": "active_prefix",
+        "frozen_buffer_id": "active/ckpt-1/1",
+        "staging_keys": ["__generation_cut__/c1/1"],
+        "prefix_token_count": 4,
+        "prefix_digest": DIGEST,
+        "effective_output_limit": 32,
+    }
+    fields.update(changes)
+    return fields
+
+
+def test_ack_rules() -> None:
+    prefix = _prefix("t1")
+    ack = GenerationCutPrefixAck.model_validate(_durable(prefix))
+    assert ack.identity() == prefix.identity()
+    terminal = GenerationCutPrefixAck.model_validate(
+        _durable(prefix, cut_kind="terminal_completion", terminal_finish_reason="length")
+    )
+    assert terminal.terminal_finish_reason == "length"
+    failed = GenerationCutPrefixAck.failure(prefix, terminal_finish_reason="stop")
+    assert failed.disposition == "durable_failure" and failed.staging_keys is None
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"cut_kind": None},
+        {"frozen_buffer_id": None},
+        {"staging_keys": []},
+        {"staging_keys": ["k", "k"]},
+        {"prefix_token_count": None},
+        {"prefix_token_count": -1},
+        {"prefix_digest": "x"},
+        {"effective_output_limit": 0},
+        {"cut_kind": "terminal_completion"},
+        {"terminal_finish_reason": "length"},
+        {"terminal_finish_reason": "eos", "cut_kind": "terminal_completion"},
+        {"terminal_stop_reason": 7},
+        {"disposition": "durable_failure"},
+        {"extra": 1},
+    ],
+)
+def test_ack_refusals(changes: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        GenerationCutPrefixAck.model_validate(_durable(_prefix("t1"), **changes))
+
+
+@pytest.mark.parametrize(
+    "evidence",
+    [
+        {"cut_kind": "active_prefix"},
+        {"frozen_buffer_id": "b"},
+        {"staging_keys": ["k"]},
+        {"prefix_token_count": 1},
+        {"prefix_digest": DIGEST},
+        {"effective_output_limit": 3},
+    ],
+)
+def test_a_durable_failure_carries_no_prefix_evidence(evidence: dict[str, Any]) -> None:
+    with pytest.raises(ValidationError, match="no prefix evidence"):
+        GenerationCutPrefixAck.model_validate(
+            {**_prefix("t1").model_dump(), "disposition": "durable_failure", **evidence}
+        )
+
+
+def _receipt(
+    inventory: GenerationCutInventory, acks: list[GenerationCutPrefixAck]
+) -> GenerationCutReceipt:
+    return GenerationCutReceipt(
+        checkpoint_id=inventory.checkpoint_id,
+        cut_id="cut-1",
+        inventory_digest=inventory.inventory_digest,
+        inventory=inventory,
+        backend_snapshot_id="worker/cut-1",
+        prefixes=acks,
+    )
+
+
+def test_a_receipt_answers_its_inventory_exactly() -> None:
+    inventory = _inventory()
+    acks = [GenerationCutPrefixAck.failure(p) for p in inventory.active_prefixes]
+    receipt = _receipt(inventory, acks)
+    receipt.validate_for(inventory)
+    assert GenerationCutReceipt.model_validate_json(receipt.model_dump_json()) == receipt
+    with pytest.raises(ValueError, match="every ticket"):
+        _receipt(inventory, acks[:1]).validate_for(inventory)
+    other_call = GenerationCutPrefixAck.failure(_prefix("t2", "c9"))
+    with pytest.raises(ValueError, match="another call"):
+        _receipt(inventory, [acks[0], other_call]).validate_for(inventory)
+    other = GenerationCutInventory.build(
+        checkpoint_id="ckpt-1", server_name="x", active_prefixes=[]
+    )
+    with pytest.raises(ValueError, match="another inventory"):
+        receipt.validate_for(other)
+
+
+def test_a_receipt_must_embed_its_own_inventory() -> None:
+    inventory = _inventory()
+    data = _receipt(inventory, []).model_dump()
+    with pytest.raises(ValidationError, match="digests"):
+        GenerationCutReceipt.model_validate({**data, "inventory_digest": DIGEST})
+    with pytest.raises(ValidationError, match="checkpoints"):
+        GenerationCutReceipt.model_validate({**data, "checkpoint_id": "ckpt-2"})
+    acks = [GenerationCutPrefixAck.failure(inventory.active_prefixes[0])] * 2
+    with pytest.raises(ValidationError, match="unique"):
+        _receipt(inventory, acks)
+
+
+def test_the_continuation_of_an_ack() -> None:
+    ack = GenerationCutPrefixAck.model_validate(_durable(_prefix("t1")))
+    continuation = ack.continuation()
+    assert continuation.source_capture_key == "r1-a1"
+    assert continuation.source_model_call_id == "c1"
+    assert continuation.staging_keys == ["__generation_cut__/c1/1"]
+    assert continuation.prefix_token_count == 4 and continuation.schema_version == 2
+    with pytest.raises(ValueError, match="durable_prefix"):
+        GenerationCutPrefixAck.failure(_prefix("t1")).continuation()
+    record = GenerationCutRecord(
+        model_call_id="c1", request_digest=DIGEST, continuation=continuation
+    )
+    assert GenerationCutRecord.model_validate_json(record.model_dump_json()) == record
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"staging_keys": []},
+        {"staging_keys": ["a", "a"]},
+        {"effective_output_limit": 0},
+        {"prefix_token_count": -1},
+        {"terminal_stop_reason": "eos"},
+        {"schema_version": 1},
+    ],
+)
+def test_continuation_refusals(changes: dict[str, Any]) -> None:
+    fields = {
+        "source_capture_key": "r1",
+        "source_model_call_id": "c1",
+        "staging_keys": ["k"],
+        "prefix_token_count": 1,
+        "prefix_digest": DIGEST,
+        "effective_output_limit": 8,
+        **changes,
+    }
+    with pytest.raises(ValidationError):
+        GenerationCutContinuation.model_validate(fields)

@@ -60,7 +60,7 @@ def commit(
         fingerprint_version=FINGERPRINT_VERSION,
         capture_key=capture_key,
     )
-    chain = tuple(f"stage/{key}/call-{t}" for t in range(turn)) + (record.staging_key,)
+    chain = (*(f"stage/{key}/call-{t}" for t in range(turn)), record.staging_key)
     return CaptureLedgerCommit.model_validate(
         {
             "rollout_id": key,

@@ -1,4 +1,4 @@
-"""The capture ledger's state machine and operations (§2.6–§2.7), against both ledgers."""
+"""The capture ledger's state machine and operations (§2.6 to §2.7), against both ledgers."""
 
 from __future__ import annotations
 

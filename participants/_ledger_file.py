@@ -138,7 +138,7 @@ class FileCaptureLedger:
         path = self._path(key, LEDGER_SUFFIX)
         with self._locks.hold(key):
             try:
-                fd: int | None = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+                fd: int | None = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
             except FileNotFoundError:
                 fd = None
             try:
@@ -158,7 +158,7 @@ class FileCaptureLedger:
                     return
                 created = fd is None
                 if fd is None:
-                    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
                     entry = _Cached(inode=os.fstat(fd).st_ino, offset=0)
                 assert entry is not None
                 write_all(fd, line)

@@ -181,8 +181,8 @@ async def test_two_instances_on_one_directory_see_each_other(tmp_path: Path) -> 
 
 async def test_a_torn_last_line_is_ignored(ledger: FileCaptureLedger) -> None:
     await ledger.record(commit("r", 0))
-    with open(ledger.root / "r.lineage.jsonl", "ab") as handle:
-        handle.write(b'{"model_call_id": "tor')
+    path = ledger.root / "r.lineage.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"model_call_id": "tor')
     other = FileCaptureLedger(ledger.root)
     try:
         assert len(other.export_rows("r")) == 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -55,18 +56,14 @@ class Worker:
         if kill:
             os.killpg(self.process.pid, signal.SIGKILL)
         elif self.process.poll() is None:
-            try:
+            with contextlib.suppress(BrokenPipeError):
                 self.send("quit")
-            except BrokenPipeError:
-                pass
         self.process.wait(timeout=30)
         self._reader.join(timeout=10)
         for pipe in (self.process.stdin, self.process.stdout):
             if pipe is not None:
-                try:
+                with contextlib.suppress(BrokenPipeError):
                     pipe.close()
-                except BrokenPipeError:
-                    pass
 
 
 def expect(events: queue.Queue[tuple[str, str]], who: str, prefix: str) -> str:

@@ -12,4 +12,5 @@ from typing import Final
 COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cmd_version",
     "e2e._cmd_demo",
+    "e2e._cmd_bench",
 )

@@ -43,6 +43,10 @@ async def run_load(root: Path, *, rollouts: int, calls: int, in_flight: int, bat
         assert ledger.cache_sizes() == {"ledger_rollouts": 0, "ledger_rows": 0}
     finally:
         ledger.close()
+    check_nothing_left(root, rollouts)
+
+
+def check_nothing_left(root: Path, rollouts: int) -> None:
     ledger_bytes = sum(p.stat().st_size for p in root.glob("*.lineage.jsonl"))
     assert ledger_bytes == 0 and not list(root.glob("*.lineage.jsonl"))
     assert len(list(root.glob("*.lineage.retired"))) == rollouts  # fences only

@@ -65,12 +65,6 @@ def _commit(key: str, turn: int) -> CaptureLedgerCommit:
     )
 
 
-def _timed(action: Callable[[], None]) -> float:
-    start = time.perf_counter()
-    action()
-    return time.perf_counter() - start
-
-
 class _Floor:
     """The bare system calls of each operation on the same names, in its own directory."""
 
@@ -156,61 +150,67 @@ def run_ledger_bench(
     ours_dir, floor_dir = directory / "ledger", directory / "floor"
     ledger = FileCaptureLedger(ours_dir)
     floor = _Floor(floor_dir)
-    seconds: dict[str, tuple[float, float]] = {}
+    # Ours and the floor alternate chunk by chunk, so both see the same disk weather.
+    ours_s = dict.fromkeys(OPERATIONS, 0.0)
+    floor_s = dict.fromkeys(OPERATIONS, 0.0)
 
-    async def record_all() -> None:
-        for key in keys:
+    async def alternate(
+        name: str,
+        chunks: list[list[str]],
+        ours: Callable[[list[str]], Any],
+        bare: Callable[[list[str]], None],
+    ) -> None:
+        for chunk in chunks:
+            start = time.perf_counter()
+            await ours(chunk)
+            ours_s[name] += time.perf_counter() - start
+            start = time.perf_counter()
+            bare(chunk)
+            floor_s[name] += time.perf_counter() - start
+
+    async def record_chunk(chunk: list[str]) -> None:
+        for key in chunk:
             for work in commits[key]:
                 await ledger.record(work)
 
-    async def manifest_all(cold: FileCaptureLedger) -> None:
-        for key in keys:
-            await cold.manifest(key)
-
-    async def remove_all(operation: Callable[[list[str]], Any]) -> None:
-        for chunk in batches:
-            await operation(chunk)
-
-    try:
-        seconds["record"] = (
-            _timed(lambda: anyio.run(record_all)),
-            _timed(lambda: floor.record(lines)),
+    async def main() -> None:
+        singles = [[key] for key in keys]  # per rollout: the finest alternation
+        await alternate(
+            "record", singles, record_chunk, lambda c: floor.record({k: lines[k] for k in c})
         )
         cold = FileCaptureLedger(ours_dir)  # a fresh process's view: nothing cached
+
+        async def manifest_chunk(chunk: list[str]) -> None:
+            for key in chunk:
+                await cold.manifest(key)
+
         try:
-            seconds["manifest"] = (
-                _timed(lambda: anyio.run(manifest_all, cold)),
-                _timed(lambda: floor.manifest(keys)),
-            )
+            await alternate("manifest", singles, manifest_chunk, floor.manifest)
         finally:
             cold.close()
-        seconds["retire"] = (
-            _timed(lambda: anyio.run(remove_all, ledger.retire)),
-            _timed(lambda: floor.retire(batches)),
-        )
+        await alternate("retire", batches, ledger.retire, lambda c: floor.retire([c]))
         _plant(ours_dir, whole)
         _plant(floor_dir, whole)
-        seconds["delete"] = (
-            _timed(lambda: anyio.run(remove_all, ledger.delete)),
-            _timed(lambda: floor.delete(batches)),
-        )
-        row_batches = [{key: rows[key] for key in chunk} for chunk in batches]
-        byte_batches = [{key: whole[key] for key in chunk} for chunk in batches]
+        await alternate("delete", batches, ledger.delete, lambda c: floor.delete([c]))
 
-        def import_all() -> None:
-            for chunk in row_batches:
-                ledger.import_rows_many(chunk)
+        async def import_chunk(chunk: list[str]) -> None:
+            ledger.import_rows_many({key: rows[key] for key in chunk})
 
-        seconds["import_rows_many"] = (
-            _timed(import_all),
-            _timed(lambda: floor.import_rows_many(byte_batches)),
+        await alternate(
+            "import_rows_many",
+            batches,
+            import_chunk,
+            lambda c: floor.import_rows_many([{k: whole[k] for k in c}]),
         )
+
+    try:
+        anyio.run(main)
     finally:
         ledger.close()
         floor.close()
     operations = []
     for name in OPERATIONS:
-        ours, bare = seconds[name]
+        ours, bare = ours_s[name], floor_s[name]
         operations.append(
             {
                 "operation": name,

@@ -28,27 +28,14 @@ def stripe_of(key: str, stripes: int) -> int:
     return zlib.crc32(key.encode()) % stripes
 
 
-class StripedFileLocks:
-    """A fixed set of stripe lock files under ``<root>/.ledger-locks``.
+class StripedThreadLocks:
+    """Striped thread locks: the in-memory ledger's locks, and the first half of the file ones."""
 
-    Args:
-        root: The ledger directory.
-        stripes: How many stripe files; every process sharing the directory must use the same
-            number.
-    """
-
-    def __init__(self, root: Path, stripes: int = DEFAULT_STRIPES) -> None:
+    def __init__(self, stripes: int = DEFAULT_STRIPES) -> None:
         if stripes < 1:
             raise ValueError("stripes must be at least 1")
-        self.directory = Path(root) / LOCK_DIRECTORY
-        self.directory.mkdir(exist_ok=True)
         self.stripes = stripes
         self._thread_locks = [threading.Lock() for _ in range(stripes)]
-        self._fds: list[int] = []
-        for index in range(stripes):
-            # O_CREAT without O_EXCL: every process opens the same files; nobody deletes them.
-            path = self.directory / f"stripe-{index:03d}.lock"
-            self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
 
     def stripe(self, key: str) -> int:
         """The stripe index of ``key``."""
@@ -56,14 +43,9 @@ class StripedFileLocks:
 
     @contextmanager
     def hold_stripe(self, index: int) -> Iterator[None]:
-        """Hold stripe ``index`` exclusively against every thread and process."""
+        """Hold stripe ``index`` against other threads."""
         with self._thread_locks[index]:
-            fd = self._fds[index]
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
+            yield
 
     @contextmanager
     def hold(self, key: str) -> Iterator[None]:
@@ -78,39 +60,39 @@ class StripedFileLocks:
             groups.setdefault(self.stripe(key), []).append(key)
         return groups
 
+
+class StripedFileLocks(StripedThreadLocks):
+    """A fixed set of stripe lock files under ``<root>/.ledger-locks``.
+
+    Args:
+        root: The ledger directory.
+        stripes: How many stripe files; every process sharing the directory must use the same
+            number.
+    """
+
+    def __init__(self, root: Path, stripes: int = DEFAULT_STRIPES) -> None:
+        super().__init__(stripes)
+        self.directory = Path(root) / LOCK_DIRECTORY
+        self.directory.mkdir(exist_ok=True)
+        self._fds: list[int] = []
+        for index in range(stripes):
+            # O_CREAT without O_EXCL: every process opens the same files; nobody deletes them.
+            path = self.directory / f"stripe-{index:03d}.lock"
+            self._fds.append(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644))
+
+    @contextmanager
+    def hold_stripe(self, index: int) -> Iterator[None]:
+        """Hold stripe ``index`` exclusively against every thread and process."""
+        with self._thread_locks[index]:
+            fd = self._fds[index]
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+
     def close(self) -> None:
         """Close the stripe descriptors (the files stay)."""
         fds, self._fds = self._fds, []
         for fd in fds:
             os.close(fd)
-
-
-class StripedThreadLocks:
-    """The in-memory ledger's counterpart: the same striping, threads only."""
-
-    def __init__(self, stripes: int = DEFAULT_STRIPES) -> None:
-        self.stripes = stripes
-        self._locks = [threading.Lock() for _ in range(stripes)]
-
-    def stripe(self, key: str) -> int:
-        """The stripe index of ``key``."""
-        return stripe_of(key, self.stripes)
-
-    @contextmanager
-    def hold_stripe(self, index: int) -> Iterator[None]:
-        """Hold stripe ``index`` against other threads."""
-        with self._locks[index]:
-            yield
-
-    @contextmanager
-    def hold(self, key: str) -> Iterator[None]:
-        """Hold the stripe of ``key``."""
-        with self.hold_stripe(self.stripe(key)):
-            yield
-
-    def by_stripe(self, keys: Iterable[str]) -> dict[int, list[str]]:
-        """Group keys by stripe, keeping their order."""
-        groups: dict[int, list[str]] = {}
-        for key in keys:
-            groups.setdefault(self.stripe(key), []).append(key)
-        return groups

@@ -1,6 +1,9 @@
 """The controller side of midflight: what a training controller embeds.
 
-Empty so far; the client, the fixed-order drivers and publication land here.
+So far: the client of a model server's capture-ledger routes. The control-plane client, the
+fixed-order drivers and publication land here.
 """
 
-__all__: list[str] = []
+from ._ledger_client import LedgerClient
+
+__all__ = ["LedgerClient"]

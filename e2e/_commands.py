@@ -13,4 +13,5 @@ COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cmd_version",
     "e2e._cmd_demo",
     "e2e._cmd_serve",
+    "e2e._cmd_bench",
 )

@@ -6,6 +6,8 @@
 - the authenticated HTTP router and a participant server app;
 - durable writing and verified reading of one participant's share of a checkpoint;
 - the inference worker's staging helpers and a file-backed token staging store.
+So far: durable writing and verified reading of one participant's share of a checkpoint, and
+the capture ledger (file-backed and in-memory) with its control routes.
 """
 
 from ._clock import Clock, ManualClock, SystemClock
@@ -18,6 +20,17 @@ from ._http import (
     participant_app,
 )
 from ._jobs import Job
+from ._ledger_cache import (
+    DEFAULT_MAX_CACHED_ROLLOUTS,
+    DEFAULT_MAX_CACHED_ROWS,
+    LedgerCacheCollector,
+    RowCache,
+)
+from ._ledger_common import CAPTURE_FILE_SUFFIXES
+from ._ledger_file import RETIRE_STEPS, FileCaptureLedger
+from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
+from ._ledger_memory import MemoryCaptureLedger
+from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
@@ -40,7 +53,13 @@ from ._worker_calls import (
 )
 
 __all__ = [
+    "CAPTURE_FILE_SUFFIXES",
     "CONTROL_EVENTS",
+    "DEFAULT_MAX_CACHED_ROLLOUTS",
+    "DEFAULT_MAX_CACHED_ROWS",
+    "DEFAULT_STRIPES",
+    "LOCK_DIRECTORY",
+    "RETIRE_STEPS",
     "WRITE_STEPS",
     "ActiveCall",
     "BaseParticipant",
@@ -51,15 +70,19 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "ControlTelemetry",
+    "FileCaptureLedger",
     "FileTokenStagingStore",
     "Job",
+    "LedgerCacheCollector",
     "ManualClock",
+    "MemoryCaptureLedger",
     "Participant",
     "ParticipantCheckpoint",
     "Record",
     "RecordsWriter",
     "RetireMarks",
     "RolloutTokenCapture",
+    "RowCache",
     "StreamingUnsupportedError",
     "SystemClock",
     "authorized",
@@ -68,6 +91,7 @@ __all__ = [
     "error_response",
     "fsync_directory",
     "install_error_envelope",
+    "ledger_control_router",
     "make_directory_durable",
     "participant_app",
     "read_participant_checkpoint",

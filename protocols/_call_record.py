@@ -1,79 +1,102 @@
-"""``CallRecord``: one token-free row of a rollout's capture-ledger manifest.
+"""``CallRecord``: the token-free record of one committed model call.
 
-It names where a call's tokens are staged (``staging_key``) and binds them with digests, but
-carries no tokens itself.
+A worker stages a call's tokens under a staging key and acknowledges it with coordinates; the
+policy server keeps those coordinates, without tokens, in the capture ledger, and a rollout's
+manifest lists one ``CallRecord`` per committed call. Field names follow the reference exactly.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+import math
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import SerializerFunctionWrapHandler, model_serializer, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    model_serializer,
+    model_validator,
+)
 
-from ._strict import DigestHex, DigestWireModel, ExactFloat, Identifier, NonNegativeInt
+_HEX64 = r"^[0-9a-f]{64}$"
 
 
-class CallRecord(DigestWireModel):
-    """One committed model call in a capture-ledger manifest.
+def _finite_or_none(value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise ValueError("admitted_at must be a finite number of seconds or null")
+    return value
+
+
+class CallRecord(BaseModel):
+    """One committed model call of a rollout, as a manifest lists it.
 
     Attributes:
-        model_call_id: The call.
-        parent_call_id: The call whose tokens this one extends; ``None`` for a root.
-        prev_len: Tokens before this call's delta (0 for a root).
-        delta_len: Tokens this call staged (at least one).
+        schema_version: Always 2.
+        digest_version: The staging-digest layout version; always 2.
+        extras_digest_version: The extras-digest layout version; always 1.
+        rollout_id: The capture key whose ledger holds the call.
+        model_call_id: The call's id, unique within the ledger.
+        parent_call_id: The call this one continues; ``None`` for a root.
+        staging_key: Where the worker staged the call's token delta.
+        weight_version: The oldest policy weight version that produced the delta.
+        prev_len: Tokens inherited from the parent (0 for a root).
+        delta_len: Tokens this call added (at least 1).
         cum_len: ``prev_len + delta_len``.
-        weight_version: The oldest policy version that produced the call's tokens.
-        digest: The staging digest v2 of the staged record.
-        extras_digest: The digest of the staged record's extras.
-        staging_key: Where the staged record lives.
-        mode: ``text`` for a root, ``token_in`` for a child.
-        chain_hash: The chain hash of the call's delta on its parent's.
-        cumulative_hash: The cumulative hash of every token up to the end of this call.
-        response_id: The response envelope id seen before the model server answered.
-        admitted_at: Wall-clock admission time stamped by the model server, if any.
-        output_fingerprint: Fingerprint of the call's output items, if computable.
-        continuation_fingerprint: Fingerprint of the request followed by the output, if computable.
-        fingerprint_version: Canonicalization version of the fingerprints (0: none recorded).
-        capture_key: The capture key the call was staged under; only set on rows a restore
-            carried over, and only emitted when set.
+        digest: The worker's staged-record digest.
+        extras_digest: Digest of the staged extras.
+        mode: ``"text"`` for a root, ``"token_in"`` for a continuation.
+        admitted_at: Wall-clock admission time, or ``None``.
+        chain_hash: Hash chaining every delta of the ancestry.
+        cumulative_hash: Hash of the cumulative token ids.
+        response_id: The id of the response that delivered the call.
+        output_fingerprint: Fingerprint of the call's output, when known.
+        continuation_fingerprint: Fingerprint a continuation of this call presents, when known.
+        fingerprint_version: The fingerprint algorithm version.
+        capture_key: The capture key the call was staged under, set only on rows carried over by
+            a restore; omitted from the JSON form when unset.
     """
 
-    model_call_id: Identifier
-    parent_call_id: Identifier | None = None
-    prev_len: NonNegativeInt
-    delta_len: NonNegativeInt
-    cum_len: NonNegativeInt
-    weight_version: NonNegativeInt
-    digest: DigestHex
-    extras_digest: DigestHex
-    staging_key: Identifier
-    mode: Literal["text", "token_in"] = "token_in"
-    chain_hash: DigestHex
-    cumulative_hash: DigestHex
-    response_id: Identifier
-    admitted_at: ExactFloat | None = None
-    output_fingerprint: DigestHex | None = None
-    continuation_fingerprint: DigestHex | None = None
-    fingerprint_version: NonNegativeInt = 0
-    capture_key: Identifier | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    schema_version: Literal[2] = 2
+    digest_version: Literal[2] = 2
+    extras_digest_version: Literal[1] = 1
+    rollout_id: str = Field(min_length=1)
+    model_call_id: str = Field(min_length=1)
+    parent_call_id: str | None = Field(default=None, min_length=1)
+    staging_key: str = Field(min_length=1)
+    weight_version: int = Field(ge=0)
+    prev_len: int = Field(ge=0)
+    delta_len: int = Field(ge=1)
+    cum_len: int = Field(ge=1)
+    digest: str = Field(pattern=_HEX64)
+    extras_digest: str = Field(pattern=_HEX64)
+    mode: Literal["text", "token_in"]
+    admitted_at: Annotated[float | None, AfterValidator(_finite_or_none)] = None
+    chain_hash: str = Field(pattern=_HEX64)
+    cumulative_hash: str = Field(pattern=_HEX64)
+    response_id: str = Field(min_length=1)
+    output_fingerprint: str | None = None
+    continuation_fingerprint: str | None = None
+    fingerprint_version: int = Field(ge=0)
+    capture_key: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
-    def _check_lineage(self) -> Self:
-        if self.delta_len == 0 or self.cum_len != self.prev_len + self.delta_len:
+    def _lineage_is_consistent(self) -> Self:
+        if self.cum_len != self.prev_len + self.delta_len:
+            raise ValueError("cum_len must equal prev_len + delta_len")
+        root = self.parent_call_id is None
+        if root != (self.prev_len == 0) or root != (self.mode == "text"):
             raise ValueError(
-                "a call record needs delta_len > 0 and cum_len == prev_len + delta_len"
-            )
-        is_root = self.parent_call_id is None
-        if is_root != (self.prev_len == 0) or is_root != (self.mode == "text"):
-            raise ValueError(
-                "a root has no parent, prev_len 0 and mode text; a child has a parent, "
-                "prev_len > 0 and mode token_in"
+                "a root has no parent, prev_len 0 and mode 'text'; a child has a parent, "
+                "prev_len > 0 and mode 'token_in'"
             )
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_unset_capture_key(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
-        # Rows that no restore carried keep the reference shape: no capture_key key at all.
+    def _omit_unset_capture_key(self, handler: Any) -> dict[str, Any]:
+        # Manifests without carried-over rows keep the reference shape exactly.
         data: dict[str, Any] = handler(self)
         if data.get("capture_key") is None:
             data.pop("capture_key", None)

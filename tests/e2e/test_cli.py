@@ -59,3 +59,20 @@ def test_serve_lists_the_worker() -> None:
     result = runner.invoke(build_app(), ["serve", "--help"])
     assert result.exit_code == 0
     assert "worker" in result.output
+
+
+def test_bench_ledger_json_lists_every_operation_beside_its_floor(tmp_path: Path) -> None:
+    result = runner.invoke(
+        build_app(),
+        ["bench", "ledger", "--json", "--rollouts", "12", "--batch", "5", "--dir", str(tmp_path)],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    operations = {row["operation"]: row for row in payload["operations"]}
+    assert sorted(operations) == sorted(
+        ["record", "retire", "delete", "manifest", "import_rows_many"]
+    )
+    for row in operations.values():
+        assert row["us_per_rollout"] > 0 and row["floor_us_per_rollout"] > 0
+        assert row["ratio"] > 0
+    assert list(tmp_path.iterdir()) == []  # the scratch directory is removed

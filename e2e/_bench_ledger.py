@@ -1,0 +1,227 @@
+"""The capture-ledger benchmark: each operation beside its floor, measured in the same run.
+
+A floor does the same system calls on the same file names as the ledger (open, write, fsync,
+create, unlink, directory fsync) with everything else taken away: no locking, no JSON, no
+models, no worker thread. The ratio says what the ledger's bookkeeping costs on top of the disk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from participants import FileCaptureLedger
+from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
+
+OPERATIONS = ("record", "manifest", "retire", "delete", "import_rows_many")
+
+
+def _hex(*parts: object) -> str:
+    return hashlib.sha256(repr(parts).encode()).hexdigest()
+
+
+def _commit(key: str, turn: int) -> CaptureLedgerCommit:
+    request: list[dict[str, Any]] = [
+        {"role": "system", "content": "counter"},
+        {"role": "user", "content": f"{key} 0"},
+    ]
+    for t in range(turn):
+        request += [
+            {"role": "assistant", "content": f"completion {t} of {key}"},
+            {"role": "tool", "content": f"add {t} -> {t + 1} 0"},
+        ]
+    call = f"call-{turn}"
+    record = CallRecord(
+        rollout_id=key,
+        model_call_id=call,
+        parent_call_id=None if turn == 0 else f"call-{turn - 1}",
+        staging_key=f"staging/{key}/{call}",
+        weight_version=1,
+        prev_len=32 * turn,
+        delta_len=32,
+        cum_len=32 * (turn + 1),
+        digest=_hex("d", key, call),
+        extras_digest=_hex("e"),
+        mode="text" if turn == 0 else "token_in",
+        admitted_at=time.time(),
+        chain_hash=_hex("c", key, call),
+        cumulative_hash=_hex("h", key, call),
+        response_id=f"resp-{key}-{call}",
+        fingerprint_version=1,
+    )
+    return CaptureLedgerCommit(
+        rollout_id=key,
+        record=record,
+        staging_chain=tuple(f"staging/{key}/call-{t}" for t in range(turn + 1)),
+        request_items=request,
+        response_items=[{"role": "assistant", "content": f"completion {turn} of {key}"}],
+    )
+
+
+class _Floor:
+    """The bare system calls of each operation on the same names, in its own directory."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.prefix = f"{root}{os.sep}"
+        self.root = root
+        self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+
+    def record(self, lines: dict[str, list[bytes]]) -> None:
+        for key, rows in lines.items():
+            path = f"{self.prefix}{key}.lineage.jsonl"
+            for index, line in enumerate(rows):
+                fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                os.write(fd, line)
+                os.fsync(fd)
+                os.close(fd)
+                if index == 0:
+                    os.fsync(self.dir_fd)
+
+    def manifest(self, keys: list[str]) -> None:
+        for key in keys:
+            os.path.exists(f"{self.prefix}{key}.lineage.retired")
+            fd = os.open(f"{self.prefix}{key}.lineage.jsonl", os.O_RDONLY)
+            os.read(fd, 1 << 20)
+            os.close(fd)
+
+    def retire(self, batches: list[list[str]]) -> None:
+        for batch in batches:
+            for key in batch:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+                os.close(os.open(f"{self.prefix}{key}.lineage.retired", flags, 0o644))
+            os.fsync(self.dir_fd)
+            for key in batch:
+                os.unlink(f"{self.prefix}{key}.lineage.jsonl")
+            os.fsync(self.dir_fd)
+
+    def delete(self, batches: list[list[str]]) -> None:
+        for batch in batches:
+            for key in batch:
+                for suffix in (".lineage.jsonl", ".lineage.retired", ".lineage.started"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(f"{self.prefix}{key}{suffix}")
+            os.fsync(self.dir_fd)
+
+    def import_rows_many(self, batches: list[dict[str, bytes]]) -> None:
+        for batch in batches:
+            os.listdir(self.root)
+            for key, data in batch.items():
+                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+                fd = os.open(f"{self.prefix}{key}.lineage.jsonl", flags, 0o644)
+                os.write(fd, data)
+                os.close(fd)
+            os.fsync(self.dir_fd)
+
+    def close(self) -> None:
+        os.close(self.dir_fd)
+
+
+def _plant(root: Path, data: dict[str, bytes]) -> None:
+    """Untimed setup: live ledgers to delete."""
+    for key, content in data.items():
+        (root / f"{key}.lineage.jsonl").write_bytes(content)
+
+
+def run_ledger_bench(
+    directory: Path, *, rollouts: int, calls: int = 4, batch: int = 256
+) -> dict[str, Any]:
+    """Measure every operation and its floor; µs per rollout and the ratio.
+
+    Args:
+        directory: An empty scratch directory on the disk to measure.
+        rollouts: How many rollouts (each with ``calls`` rows).
+        calls: Rows per rollout.
+        batch: Ids per retire, delete and import batch.
+    """
+    keys = [f"rollout-{i}" for i in range(rollouts)]
+    commits = {key: [_commit(key, turn) for turn in range(calls)] for key in keys}
+    lines = {key: [encode_row(custody_row(c)) for c in commits[key]] for key in keys}
+    rows = {key: [custody_row(c) for c in commits[key]] for key in keys}
+    whole = {key: b"".join(lines[key]) for key in keys}
+    batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
+    ours_dir, floor_dir = directory / "ledger", directory / "floor"
+    ledger = FileCaptureLedger(ours_dir)
+    floor = _Floor(floor_dir)
+    # Ours and the floor alternate chunk by chunk, so both see the same disk weather.
+    ours_s = dict.fromkeys(OPERATIONS, 0.0)
+    floor_s = dict.fromkeys(OPERATIONS, 0.0)
+
+    async def alternate(
+        name: str,
+        chunks: list[list[str]],
+        ours: Callable[[list[str]], Any],
+        bare: Callable[[list[str]], None],
+    ) -> None:
+        for chunk in chunks:
+            start = time.perf_counter()
+            await ours(chunk)
+            ours_s[name] += time.perf_counter() - start
+            start = time.perf_counter()
+            bare(chunk)
+            floor_s[name] += time.perf_counter() - start
+
+    async def record_chunk(chunk: list[str]) -> None:
+        for key in chunk:
+            for work in commits[key]:
+                await ledger.record(work)
+
+    async def main() -> None:
+        singles = [[key] for key in keys]  # per rollout: the finest alternation
+        await alternate(
+            "record", singles, record_chunk, lambda c: floor.record({k: lines[k] for k in c})
+        )
+        cold = FileCaptureLedger(ours_dir)  # a fresh process's view: nothing cached
+
+        async def manifest_chunk(chunk: list[str]) -> None:
+            for key in chunk:
+                await cold.manifest(key)
+
+        try:
+            await alternate("manifest", singles, manifest_chunk, floor.manifest)
+        finally:
+            cold.close()
+        await alternate("retire", batches, ledger.retire, lambda c: floor.retire([c]))
+        _plant(ours_dir, whole)
+        _plant(floor_dir, whole)
+        await alternate("delete", batches, ledger.delete, lambda c: floor.delete([c]))
+
+        async def import_chunk(chunk: list[str]) -> None:
+            ledger.import_rows_many({key: rows[key] for key in chunk})
+
+        await alternate(
+            "import_rows_many",
+            batches,
+            import_chunk,
+            lambda c: floor.import_rows_many([{k: whole[k] for k in c}]),
+        )
+
+    try:
+        anyio.run(main)
+    finally:
+        ledger.close()
+        floor.close()
+    operations = []
+    for name in OPERATIONS:
+        ours, bare = ours_s[name], floor_s[name]
+        operations.append(
+            {
+                "operation": name,
+                "us_per_rollout": round(ours / rollouts * 1e6, 2),
+                "floor_us_per_rollout": round(bare / rollouts * 1e6, 2),
+                "ratio": round(ours / bare, 3) if bare > 0 else None,
+            }
+        )
+    return {
+        "rollouts": rollouts,
+        "calls_per_rollout": calls,
+        "batch": batch,
+        "operations": operations,
+    }

@@ -1,0 +1,55 @@
+"""``midflight bench``: benchmarks that print figures and ratios (never tests)."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ._bench_ledger import run_ledger_bench
+from ._output import JsonOption, console, emit
+
+
+def register(app: typer.Typer) -> None:
+    """Add the ``bench`` group and its suites to the app."""
+    bench = typer.Typer(help="Benchmarks: each figure beside its floor, and the ratio.")
+    app.add_typer(bench, name="bench")
+
+    @bench.command("ledger")
+    def ledger_command(
+        rollouts: Annotated[
+            int, typer.Option(min=1, help="Rollouts to record (the goal figures use 20000).")
+        ] = 2000,
+        calls: Annotated[int, typer.Option(min=1, help="Recorded calls per rollout.")] = 4,
+        batch: Annotated[
+            int, typer.Option(min=1, max=4096, help="Ids per retire/delete/import batch.")
+        ] = 256,
+        directory: Annotated[
+            Path | None,
+            typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
+        ] = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """The capture ledger: µs per rollout for record, retire, delete, manifest, import."""
+        with tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch:
+            payload = run_ledger_bench(Path(scratch), rollouts=rollouts, calls=calls, batch=batch)
+
+        def render() -> None:
+            table = Table(
+                title=f"capture ledger: {rollouts} rollouts x {calls} calls, batches of {batch}"
+            )
+            for column in ("operation", "µs / rollout", "floor µs / rollout", "ratio"):
+                table.add_column(column, justify="left" if column == "operation" else "right")
+            for row in payload["operations"]:
+                table.add_row(
+                    row["operation"],
+                    f"{row['us_per_rollout']:.1f}",
+                    f"{row['floor_us_per_rollout']:.1f}",
+                    f"{row['ratio']:.2f}x",
+                )
+            console.print(table)
+
+        emit(payload, as_json=as_json, render=render)

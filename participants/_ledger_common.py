@@ -1,0 +1,125 @@
+"""What the file-backed and in-memory ledgers share: names, repeat rules, restore planning."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+from protocols import RolloutRemoval, encode_row, validate_ledger_keys, validate_row
+
+LEDGER_SUFFIX: Final = ".lineage.jsonl"
+RETIRED_SUFFIX: Final = ".lineage.retired"
+STARTED_SUFFIX: Final = ".lineage.started"
+CAPTURE_FILE_SUFFIXES: Final = (
+    LEDGER_SUFFIX,
+    STARTED_SUFFIX,
+    RETIRED_SUFFIX,
+    ".tokens.jsonl",
+    ".tokens.incomplete",
+    ".tokens.intents",
+    ".tokens.state.json",
+)
+"""Every per-key file a dead execution can leave; lock files are stripes, never per key."""
+
+_ATTEMPT: Final = re.compile(r"^(.+)-a([1-9][0-9]*)$")
+
+
+def split_attempt(key: str) -> tuple[str, int]:
+    """``"r-a2"`` → ``("r", 2)``; a key without the suffix is attempt 0 of itself."""
+    match = _ATTEMPT.fullmatch(key)
+    if match is None:
+        return key, 0
+    return match.group(1), int(match.group(2))
+
+
+def check_repeat(existing: list[dict[str, Any]] | None, row: dict[str, Any], failure: bool) -> bool:
+    """Whether ``row`` is already recorded (so the write is a no-op).
+
+    Raises:
+        ValueError: A committed row for the same call differs in any field ("conflicting").
+    """
+    if not existing:
+        return False
+    if row in existing:
+        return True
+    if failure:
+        return False  # another reason for the same call is recorded as another row
+    raise ValueError(
+        f"conflicting ledger row for model call {row['model_call_id']!r}: a different row "
+        "with that id is already recorded"
+    )
+
+
+def removal_result(
+    keys: Sequence[str],
+    removed: set[str],
+    skipped: set[str] = frozenset(),  # type: ignore[assignment]
+) -> RolloutRemoval:
+    """Removed and absent keys in batch order; skipped (started) keys in neither list."""
+    return RolloutRemoval(
+        removed=[key for key in keys if key in removed],
+        absent=[key for key in keys if key not in removed and key not in skipped],
+    )
+
+
+def encode_ledger_batch(ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, bytes]:
+    """Validate every key and row of an import and encode each ledger whole, changing nothing.
+
+    Raises:
+        TypeError: ``ledgers`` is not a mapping (a bare string included).
+        InvalidRolloutIdError: A key is invalid.
+        ValueError: A row is malformed.
+    """
+    if not isinstance(ledgers, Mapping):
+        raise TypeError("import_rows_many expects a mapping of rollout id to rows")
+    keys = validate_ledger_keys(list(ledgers))
+    encoded: dict[str, bytes] = {}
+    for key in keys:
+        rows = ledgers[key]
+        if isinstance(rows, str | bytes | Mapping):
+            raise ValueError(f"the rows of {key!r} must be a sequence of row objects")
+        encoded[key] = b"".join(encode_row(validate_row(row)) for row in rows)
+    return encoded
+
+
+def doomed_keys(names: Iterable[str], targets: Iterable[str]) -> dict[str, list[str]]:
+    """Which capture files an import deletes: per key, the suffixes present.
+
+    A key is doomed when it belongs to the same rollout as a target and its attempt is the
+    target's or later. Look-alikes (``r1-a2`` or ``r-a1x-a3`` for target ``r``) are other
+    rollouts and are left alone.
+    """
+    files: dict[str, list[str]] = {}
+    for name in names:
+        for suffix in CAPTURE_FILE_SUFFIXES:
+            if name.endswith(suffix) and len(name) > len(suffix):
+                files.setdefault(name[: -len(suffix)], []).append(suffix)
+                break
+    floors: dict[str, int] = {}
+    for target in targets:
+        rollout, attempt = split_attempt(target)
+        floors[rollout] = min(attempt, floors.get(rollout, attempt))
+    doomed: dict[str, list[str]] = {}
+    for key, suffixes in files.items():
+        rollout, attempt = split_attempt(key)
+        if rollout in floors and attempt >= floors[rollout]:
+            doomed[key] = suffixes
+    return doomed
+
+
+def write_all(fd: int, data: bytes) -> None:
+    """``os.write`` until every byte is written."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def unlink_if_present(path: str) -> bool:
+    """Remove ``path``; ``False`` when it did not exist."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True

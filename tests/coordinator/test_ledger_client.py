@@ -1,0 +1,137 @@
+"""The ledger client: whole-list validation, batching, typed errors, manifest identity."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+from coordinator import LedgerClient
+from participants import MemoryCaptureLedger, ledger_control_router
+from protocols import (
+    CheckpointOpenError,
+    InvalidRolloutIdError,
+    RolloutRemoval,
+    RolloutRetiredError,
+    UnauthorizedError,
+)
+from tests.participants.ledger_factory import commit
+
+pytestmark = pytest.mark.anyio
+TOKEN = "tok"
+
+
+class Recorder(httpx.AsyncBaseTransport):
+    """Passes requests to the app and remembers their bodies."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.inner = httpx.ASGITransport(app=app)
+        self.bodies: list[object] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            self.bodies.append(json.loads(request.content))
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture
+async def setup() -> AsyncIterator[
+    tuple[LedgerClient, MemoryCaptureLedger, Recorder, dict[str, bool]]
+]:
+    ledger = MemoryCaptureLedger()
+    state = {"open": False}
+    app = FastAPI()
+    app.include_router(
+        ledger_control_router(ledger, capture_token=TOKEN, is_checkpoint_open=lambda: state["open"])
+    )
+    recorder = Recorder(app)
+    client = LedgerClient("http://policy/", capture_token=TOKEN, batch_size=3, transport=recorder)
+    yield client, ledger, recorder, state
+    await client.aclose()
+
+
+async def test_lists_are_validated_and_deduplicated_before_anything_is_sent(setup) -> None:  # type: ignore[no-untyped-def]
+    client, ledger, recorder, _ = setup
+    await ledger.record(commit("a", 0))
+    with pytest.raises(TypeError):
+        await client.retire("a")
+    with pytest.raises(InvalidRolloutIdError):
+        await client.retire(["a", "b", "c", "d", "e", "bad id"])  # bad id in the 2nd batch
+    assert recorder.bodies == []
+    assert await client.retire([]) == RolloutRemoval()
+    assert recorder.bodies == []
+    result = await client.retire(["a", "b", "a", "c", "d", "e", "b", "f"])
+    assert recorder.bodies == [
+        {"rollout_ids": ["a", "b", "c"]},
+        {"rollout_ids": ["d", "e", "f"]},
+    ]
+    assert result == RolloutRemoval(removed=["a"], absent=["b", "c", "d", "e", "f"])
+
+
+async def test_manifest_and_its_typed_errors(setup) -> None:  # type: ignore[no-untyped-def]
+    client, ledger, _, state = setup
+    await ledger.record(commit("a", 0))
+    assert [r.model_call_id for r in (await client.manifest("a")).records] == ["call-0"]
+    with pytest.raises(InvalidRolloutIdError):
+        await client.manifest("../rollouts/a")
+    state["open"] = True
+    with pytest.raises(CheckpointOpenError):
+        await client.delete(["a"])
+    state["open"] = False
+    await client.retire(["a"])
+    with pytest.raises(RolloutRetiredError):
+        await client.manifest("a")
+
+
+async def test_a_manifest_for_another_rollout_is_rejected() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(
+            200, json={"schema_version": 2, "rollout_id": "other", "records": [], "failures": []}
+        )
+
+    client = LedgerClient("http://x", capture_token=TOKEN, transport=httpx.MockTransport(handler))
+    try:
+        with pytest.raises(ValueError, match="other"):
+            await client.manifest("mine")
+    finally:
+        await client.aclose()
+
+
+async def test_a_wrong_token_is_unauthorized(setup) -> None:  # type: ignore[no-untyped-def]
+    _, _, recorder, _ = setup
+    client = LedgerClient("http://policy", capture_token="nope", transport=recorder)
+    try:
+        with pytest.raises(UnauthorizedError):
+            await client.delete(["a"])
+    finally:
+        await client.aclose()
+
+
+def test_constructor_refuses_bad_settings() -> None:
+    with pytest.raises(ValueError):
+        LedgerClient("http://x", capture_token="")
+    with pytest.raises(ValueError):
+        LedgerClient("http://x", capture_token="t", request_timeout_s=0)
+    with pytest.raises(ValueError):
+        LedgerClient("http://x", capture_token="t", batch_size=4097)
+
+
+async def test_a_timeout_names_the_request(tmp_path: Path) -> None:
+    import anyio
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await anyio.sleep(5)
+        return httpx.Response(200, json={})
+
+    client = LedgerClient(
+        "http://x", capture_token=TOKEN, request_timeout_s=0.05, transport=httpx.MockTransport(slow)
+    )
+    try:
+        with pytest.raises(TimeoutError, match="POST /rollouts/retire"):
+            await client.retire(["a"])
+    finally:
+        await client.aclose()

@@ -1,0 +1,255 @@
+"""The capture ledger's state machine and operations (§2.6 to §2.7), against both ledgers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from structlog.testing import capture_logs
+
+from participants import FileCaptureLedger, MemoryCaptureLedger
+from protocols import (
+    CaptureLedger,
+    InvalidRolloutIdError,
+    RolloutRemoval,
+    RolloutRetiredError,
+)
+
+from .ledger_factory import commit, conversation
+
+pytestmark = pytest.mark.anyio
+
+Ledger = FileCaptureLedger | MemoryCaptureLedger
+
+
+@pytest.fixture(params=["file", "memory"])
+def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
+    made: Ledger = (
+        FileCaptureLedger(tmp_path / "ledger") if request.param == "file" else MemoryCaptureLedger()
+    )
+    yield made
+    made.close()
+
+
+def plant_fence(ledger: Ledger, key: str) -> None:
+    """A fence appearing beside a live ledger: what retire's first phase leaves for a moment."""
+    if isinstance(ledger, FileCaptureLedger):
+        (ledger.root / f"{key}.lineage.retired").touch()
+    else:
+        ledger._fences.add(key)
+
+
+async def test_both_ledgers_satisfy_the_protocol(ledger: Ledger) -> None:
+    assert isinstance(ledger, CaptureLedger)
+
+
+async def test_absent_reads_empty_then_first_record_makes_it_live(ledger: Ledger) -> None:
+    assert (await ledger.manifest("r")).records == []
+    assert not await ledger.has_rows("r")
+    await ledger.record(commit("r", 0))
+    await ledger.record(commit("r", 1))
+    manifest = await ledger.manifest("r")
+    assert [r.model_call_id for r in manifest.records] == ["call-0", "call-1"]
+    assert manifest.records[1].parent_call_id == "call-0"
+    assert await ledger.has_rows("r")
+
+
+async def test_identical_repeat_is_a_noop_and_a_difference_conflicts(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    await ledger.record(commit("r", 0))
+    assert len(ledger.export_rows("r")) == 1
+    with pytest.raises(ValueError, match="conflicting"):
+        await ledger.record(commit("r", 0, response_id="another-response"))
+    assert len(ledger.export_rows("r")) == 1
+
+
+async def test_failure_rows_dedupe_and_a_new_reason_appends(ledger: Ledger) -> None:
+    await ledger.record_failure("r", "c1", "worker_capture_failed")
+    await ledger.record_failure("r", "c1", "worker_capture_failed")
+    await ledger.record_failure("r", "c1", "unresolved_parent")
+    manifest = await ledger.manifest("r")
+    assert [(f.model_call_id, f.reason) for f in manifest.failures] == [
+        ("c1", "worker_capture_failed"),
+        ("c1", "unresolved_parent"),
+    ]
+
+
+async def test_retire_live_then_reads_as_retired_and_late_rows_are_discarded(
+    ledger: Ledger,
+) -> None:
+    await ledger.record(commit("r", 0))
+    assert await ledger.retire(["r", "r"]) == RolloutRemoval(removed=["r"], absent=[])
+    with pytest.raises(RolloutRetiredError):
+        await ledger.manifest("r")
+    with pytest.raises(RolloutRetiredError):
+        await ledger.has_rows("r")
+    with capture_logs() as logs:
+        await ledger.record(commit("r", 1))
+        await ledger.record_failure("r", "c9", "worker_capture_failed")
+    assert ledger.export_rows("r") == []
+    late = [e for e in logs if e["event"] == "ledger_late_write_discarded"]
+    assert [e["staging_key"] for e in late] == ["stage/r/call-1", ""]
+
+
+async def test_retire_absent_fences_an_unused_id(ledger: Ledger) -> None:
+    assert await ledger.retire(["never"]) == RolloutRemoval(removed=[], absent=["never"])
+    await ledger.record(commit("never", 0))
+    assert ledger.export_rows("never") == []
+    with pytest.raises(RolloutRetiredError):
+        await ledger.manifest("never")
+
+
+async def test_retire_again_is_a_noop_reported_absent(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    await ledger.retire(["r"])
+    assert await ledger.retire(["r"]) == RolloutRemoval(removed=[], absent=["r"])
+
+
+async def test_delete_of_retired_removes_the_fence_so_the_id_is_reusable(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    await ledger.retire(["r"])
+    assert await ledger.delete(["r"]) == RolloutRemoval(removed=[], absent=["r"])
+    assert (await ledger.manifest("r")).records == []
+    await ledger.record(commit("r", 0))
+    assert len((await ledger.manifest("r")).records) == 1
+
+
+async def test_delete_of_live_and_absent(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    assert await ledger.delete(["r", "x"]) == RolloutRemoval(removed=["r"], absent=["x"])
+    assert (await ledger.manifest("r")).records == []
+    assert ledger.export_rows("r") == []
+
+
+async def test_the_fence_is_only_consulted_when_the_ledger_has_no_rows(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    plant_fence(ledger, "r")  # retire is between its phases: the ledger still exists
+    await ledger.record(commit("r", 1))
+    assert [row["model_call_id"] for row in ledger.export_rows("r")] == ["call-0", "call-1"]
+
+
+@pytest.mark.parametrize("operation", ["retire", "delete", "delete_unstarted"])
+async def test_batches_are_validated_whole_before_any_change(
+    ledger: Ledger, operation: str
+) -> None:
+    await ledger.record(commit("r", 0))
+    method = getattr(ledger, operation)
+    with pytest.raises(TypeError, match="sequence of rollout ids"):
+        await method("r")
+    for bad in (["r", "bad/id"], ["r", ""], ["r", ".."], ["r", ".hidden"], ["r", 7]):
+        with pytest.raises(InvalidRolloutIdError):
+            await method(bad)
+    assert len(ledger.export_rows("r")) == 1
+    assert (await ledger.manifest("r")).records
+
+
+async def test_start_marker_protects_from_delete_unstarted(ledger: Ledger) -> None:
+    for key in ("a-a1", "b-a1"):
+        await ledger.record(commit(key, 0))
+    assert await ledger.mark_started("a-a1")
+    result = await ledger.delete_unstarted(["a-a1", "b-a1", "c-a1"])
+    assert result == RolloutRemoval(removed=["b-a1"], absent=["c-a1"])  # started: in neither
+    assert len(ledger.export_rows("a-a1")) == 1
+    assert await ledger.delete(["a-a1"]) == RolloutRemoval(removed=["a-a1"], absent=[])
+    # delete removed the marker too: the key is unstarted again
+    await ledger.record(commit("a-a1", 0))
+    assert (await ledger.delete_unstarted(["a-a1"])).removed == ["a-a1"]
+
+
+async def test_a_retired_id_is_never_marked_started(ledger: Ledger) -> None:
+    await ledger.retire(["r-a1"])
+    assert not await ledger.mark_started("r-a1")
+    await ledger.delete(["r-a1"])
+    await ledger.record(commit("r-a1", 0))
+    assert (await ledger.delete_unstarted(["r-a1"])).removed == ["r-a1"]
+
+
+async def test_mark_started_and_delete_unstarted_race_cleanly(ledger: Ledger) -> None:
+    keys = [f"k{i}-a1" for i in range(60)]
+    for key in keys:
+        await ledger.record(commit(key, 0))
+    marked: dict[str, bool] = {}
+    result: list[RolloutRemoval] = []
+
+    async def mark(key: str) -> None:
+        marked[key] = await ledger.mark_started(key)
+
+    async def drop() -> None:
+        result.append(await ledger.delete_unstarted(keys))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(drop)
+        for key in keys:
+            group.start_soon(mark, key)
+    removed = set(result[0].removed)
+    for key in keys:
+        # Either the marker won (ledger kept, key in neither list) or the removal did.
+        assert (key in removed) != bool(ledger.export_rows(key))
+        assert key not in result[0].absent
+
+
+async def test_import_wipes_target_and_later_attempts_but_not_lookalikes(ledger: Ledger) -> None:
+    for key in ("r-a1", "r-a2", "r-a3", "r1-a2", "r-a1x-a3", "r", "s-a2"):
+        await ledger.record(commit(key, 0, output=f"dead {key}"))
+    await ledger.retire(["r-a3"])
+    await ledger.mark_started("r-a2")
+    rows = [dict(row, capture_key="r") for row in ledger.export_rows("r")]
+    ledger.import_rows_many({"r-a1": rows, "s-a2": []})
+    assert ledger.export_rows("r-a1") == rows  # written whole, the dead execution's row gone
+    for gone in ("r-a2", "r-a3", "s-a2"):
+        assert ledger.export_rows(gone) == []
+    assert (await ledger.manifest("r-a3")).records == []  # the fence went too
+    assert (await ledger.delete_unstarted(["r-a2"])).absent == ["r-a2"]  # and the marker
+    for kept in ("r1-a2", "r-a1x-a3", "r"):
+        assert len(ledger.export_rows(kept)) == 1
+    carried = (await ledger.manifest("r-a1")).records[0]
+    assert carried.capture_key == "r" and carried.rollout_id == "r-a1"
+
+
+async def test_import_validates_everything_before_changing_anything(ledger: Ledger) -> None:
+    await ledger.record(commit("r-a1", 0))
+    with pytest.raises(InvalidRolloutIdError):
+        ledger.import_rows_many({"r-a1": [], "../x": []})
+    with pytest.raises(ValueError):
+        ledger.import_rows_many({"r-a1": [{"model_call_id": "c", "bogus": 1}]})
+    with pytest.raises(TypeError):
+        ledger.import_rows_many("r-a1")  # type: ignore[arg-type]
+    assert len(ledger.export_rows("r-a1")) == 1
+
+
+async def test_resolve_finds_the_parent_and_retired_never_matches(ledger: Ledger) -> None:
+    await ledger.record(commit("r", 0))
+    await ledger.record_failure("r", "call-x", "worker_capture_failed")
+    assert (await ledger.resolve("r", conversation(0))).status == "root"
+    resolution = await ledger.resolve("r", conversation(1))
+    assert resolution.status == "resolved" and resolution.match is not None
+    assert resolution.match.model_call_id == "call-0" and resolution.match.prev_len == 5
+    assert resolution.match.staging_chain == ("stage/r/call-0",)
+    explicit = await ledger.resolve_explicit("r", "call-0", conversation(1))
+    assert explicit.status == "resolved"
+    missing = await ledger.resolve_explicit("r", "call-x", conversation(1))
+    assert missing.reason == "explicit_parent_missing"  # failure rows never resolve
+    await ledger.retire(["r"])
+    retired = await ledger.resolve("r", conversation(1))
+    assert retired.status == "unresolved" and retired.match is None
+
+
+async def test_concurrent_records_of_one_rollout_all_land_once(ledger: Ledger) -> None:
+    async with anyio.create_task_group() as group:
+        for turn in range(40):
+            group.start_soon(ledger.record, commit("r", turn))
+            group.start_soon(ledger.record, commit("r", turn))
+    rows: list[dict[str, Any]] = ledger.export_rows("r")
+    assert sorted(row["model_call_id"] for row in rows) == sorted(f"call-{t}" for t in range(40))
+
+
+async def test_retire_and_delete_leave_no_cached_rows(ledger: Ledger) -> None:
+    for i in range(10):
+        await ledger.record(commit(f"k{i}", 0))
+    await ledger.manifest("k0")
+    await ledger.retire([f"k{i}" for i in range(5)])
+    await ledger.delete([f"k{i}" for i in range(5, 10)])
+    assert ledger.cache_sizes() == {"ledger_rollouts": 0, "ledger_rows": 0}

@@ -1,0 +1,207 @@
+"""Several OS processes on one ledger directory: concurrent writes, retirement, SIGKILL, stress."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+from participants import FileCaptureLedger
+from protocols import RolloutRetiredError
+
+from .ledger_factory import commit
+
+pytestmark = pytest.mark.process
+REPO = Path(__file__).resolve().parents[2]
+DEADLINE_S = 20.0
+
+
+class Worker:
+    """One ``ledger_worker`` child in its own process group, its stdout read by a thread."""
+
+    def __init__(self, directory: Path, name: str, events: queue.Queue[tuple[str, str]]) -> None:
+        self.name = name
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.participants.ledger_worker", str(directory)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        self._events = events
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._events.put((self.name, line.strip()))
+
+    def send(self, line: str) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write(line + "\n")
+        self.process.stdin.flush()
+
+    def stop(self, *, kill: bool = False) -> None:
+        if kill:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        elif self.process.poll() is None:
+            with contextlib.suppress(BrokenPipeError):
+                self.send("quit")
+        self.process.wait(timeout=30)
+        self._reader.join(timeout=10)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
+
+
+def expect(events: queue.Queue[tuple[str, str]], who: str, prefix: str) -> str:
+    """The next line of ``who``, which must start with ``prefix``."""
+    name, line = events.get(timeout=DEADLINE_S)
+    assert (name, line.split(" ")[0]) == (who, prefix), (name, line)
+    return line
+
+
+def start(directory: Path, names: list[str]) -> tuple[list[Worker], queue.Queue[tuple[str, str]]]:
+    events: queue.Queue[tuple[str, str]] = queue.Queue()
+    workers = [Worker(directory, name, events) for name in names]
+    ready = sorted(events.get(timeout=DEADLINE_S) for _ in workers)
+    assert ready == sorted((name, "ready") for name in names)
+    return workers, events
+
+
+def ledger_files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.lineage.jsonl"))
+
+
+def test_several_processes_write_one_directory_concurrently(tmp_path: Path) -> None:
+    names = ["w0", "w1", "w2"]
+    workers, events = start(tmp_path, names)
+    keys = [f"k{i}" for i in range(25)]
+    try:
+        for worker in workers:
+            for key in keys:
+                worker.send(f"run {key} {worker.name} 4")
+        done = [events.get(timeout=DEADLINE_S) for _ in range(len(keys) * len(workers))]
+        assert all(line.startswith("done ") for _, line in done)
+    finally:
+        for worker in workers:
+            worker.stop()
+    for key in keys:
+        lines = (tmp_path / f"{key}.lineage.jsonl").read_bytes().splitlines()
+        calls = [json.loads(line)["model_call_id"] for line in lines]  # every line whole
+        assert sorted(calls) == sorted(f"{n}-{t}" for n in names for t in range(4))
+        for name in names:  # each writer's calls in its own order
+            assert [c for c in calls if c.startswith(name)] == [f"{name}-{t}" for t in range(4)]
+
+
+def test_a_retirement_is_seen_by_every_process(tmp_path: Path) -> None:
+    names = ["w0", "w1", "w2"]
+    workers, events = start(tmp_path, names)
+    keys = [f"k{i}" for i in range(10)]
+    try:
+        for worker in workers:  # every process has the rows cached
+            for key in keys:
+                worker.send(f"run {key} {worker.name} 2")
+                expect(events, worker.name, "done")
+        ledger = FileCaptureLedger(tmp_path)
+        result = anyio.run(ledger.retire, keys)
+        ledger.close()
+        assert result.removed == keys
+        for worker in workers:  # late rows from every process are discarded
+            for key in keys:
+                worker.send(f"run {key} late{worker.name} 2")
+                expect(events, worker.name, "done")
+                worker.send(f"manifest {key}")
+                assert expect(events, worker.name, "retired") == "retired"
+    finally:
+        for worker in workers:
+            worker.stop()
+    assert ledger_files(tmp_path) == []
+
+
+def test_sigkill_between_fences_and_deletes_then_a_retry_completes(tmp_path: Path) -> None:
+    keys = [f"k{i}" for i in range(20)]
+    workers, events = start(tmp_path, ["w0"])
+    worker = workers[0]
+    try:
+        for key in keys:
+            worker.send(f"run {key} w0 3")
+            expect(events, "w0", "done")
+        worker.send(f"retire {','.join(keys)} freeze")
+        expect(events, "w0", "at")
+    finally:
+        worker.stop(kill=True)
+    assert len(ledger_files(tmp_path)) == len(keys)  # killed before any ledger went
+    assert all((tmp_path / f"{key}.lineage.retired").exists() for key in keys)
+    ledger = FileCaptureLedger(tmp_path)
+    try:
+        with pytest.raises(RolloutRetiredError):  # retired already: the fences are durable
+            anyio.run(ledger.manifest, "k0")
+        result = anyio.run(ledger.retire, keys)
+        assert result.removed == keys and result.absent == []
+        anyio.run(ledger.record, commit("k0", 5))
+    finally:
+        ledger.close()
+    assert ledger_files(tmp_path) == []
+
+
+def run_stress(directory: Path, *, rollouts: int, batch: int, removal: str) -> int:
+    """Rollouts run by two writer processes; a quarter run again by a third process after their
+    batch was removed (retired or deleted) by this one. Returns how many ledgers exist at the end.
+    """
+    workers, events = start(directory, ["w0", "w1", "dup"])
+    by_name = {worker.name: worker for worker in workers}
+    keys = [f"r{i}" for i in range(rollouts)]
+    duplicated = set(keys[::4])
+    ledger = FileCaptureLedger(directory)
+    try:
+        for index, key in enumerate(keys):
+            by_name[f"w{index % 2}"].send(f"run {key} first 4")
+        pending: list[str] = []
+        finished = dups_done = 0
+        while finished < rollouts or dups_done < len(duplicated):
+            name, line = events.get(timeout=DEADLINE_S)
+            assert line.startswith("done "), line
+            if name == "dup":
+                dups_done += 1
+                continue
+            finished += 1
+            pending.append(line.split()[1])
+            if len(pending) == batch or finished == rollouts:
+                operation = ledger.retire if removal == "retire" else ledger.delete
+                anyio.run(operation, pending)
+                for key in pending:
+                    if key in duplicated:  # the duplicate writes after the first finished
+                        by_name["dup"].send(f"run {key} again 4")
+                pending = []
+    finally:
+        ledger.close()
+        for worker in workers:
+            worker.stop()
+    return len(ledger_files(directory))
+
+
+@pytest.mark.parametrize("removal", ["retire", "delete"])
+def test_stress_duplicates_never_recreate_retired_ledgers(tmp_path: Path, removal: str) -> None:
+    left = run_stress(tmp_path, rollouts=160, batch=32, removal=removal)
+    if removal == "retire":
+        assert left == 0
+    else:  # the contrast: without fences every duplicate recreates its ledger
+        assert left == 40
+
+
+@pytest.mark.soak
+def test_stress_soak_4000_rollouts(tmp_path: Path) -> None:
+    assert run_stress(tmp_path / "retire", rollouts=4000, batch=256, removal="retire") == 0

@@ -1,0 +1,81 @@
+"""Ledger keys, rows and manifests."""
+
+from __future__ import annotations
+
+import pytest
+
+from protocols import (
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
+    InvalidRolloutIdError,
+    LedgerBatchRequest,
+    custody_row,
+    failure_row,
+    manifest_from_rows,
+    validate_ledger_key,
+    validate_ledger_keys,
+    validate_row,
+)
+from tests.participants.ledger_factory import commit
+
+
+@pytest.mark.parametrize("key", ["r", "r-a1", "r-a0", "a.b_c-d", "9", "-x", "_x"])
+def test_capture_keys_are_valid_ledger_keys(key: str) -> None:
+    assert validate_ledger_key(key) == key
+
+
+@pytest.mark.parametrize("key", ["", ".", "..", ".hidden", "a/b", "a b", "é", "a\n", 3, None])
+def test_unsafe_or_malformed_keys_are_refused(key: object) -> None:
+    with pytest.raises(InvalidRolloutIdError):
+        validate_ledger_key(key)
+
+
+def test_batches_refuse_bare_strings_and_dedupe_keeping_the_first() -> None:
+    with pytest.raises(TypeError, match="sequence of rollout ids"):
+        validate_ledger_keys("abc")
+    assert validate_ledger_keys(["b", "a", "b", "c", "a"]) == ["b", "a", "c"]
+    with pytest.raises(InvalidRolloutIdError):
+        validate_ledger_keys(["a", "b", "../c"])
+
+
+def test_custody_rows_round_trip_to_call_records() -> None:
+    work = commit("r", 1, capture_key="r0")
+    row = custody_row(work)
+    assert "cumulative_token_ids" not in row and row["staging_digest"] == work.record.digest
+    assert validate_row(row) == row
+    manifest = manifest_from_rows("r", [row])
+    assert manifest.records == [work.record]
+
+
+def test_manifest_reports_failures_and_skips_lineage_only_rows() -> None:
+    good = custody_row(commit("r", 0))
+    no_response = dict(custody_row(commit("r", 1)), response_id=None)
+    no_chain = dict(custody_row(commit("r", 2)))
+    del no_chain["chain_hash"]
+    lineage_only = {
+        "model_call_id": "local",
+        "fingerprint_version": 1,
+        "fingerprint": "f",
+        "context_len": 0,
+        "context_digest": "d",
+        "cumulative_token_ids": [1, 2],
+        "digest": "x",
+    }
+    manifest = manifest_from_rows(
+        "r", [good, failure_row("c9", "worker_capture_failed"), no_response, no_chain, lineage_only]
+    )
+    assert [r.model_call_id for r in manifest.records] == ["call-0"]
+    assert [(f.model_call_id, f.reason) for f in manifest.failures] == [
+        ("c9", "worker_capture_failed"),
+        ("call-1", LEDGER_ROW_MISSING_RESPONSE_ID_REASON),
+        ("call-2", LEDGER_ROW_MISSING_CHAIN_HASH_REASON),
+    ]
+    assert validate_row(lineage_only) == lineage_only
+
+
+def test_batch_request_bounds() -> None:
+    assert LedgerBatchRequest(rollout_ids=["a"]).rollout_ids == ["a"]
+    with pytest.raises(ValueError):
+        LedgerBatchRequest(rollout_ids=[])
+    with pytest.raises(ValueError):
+        LedgerBatchRequest(rollout_ids=["a"] * 4097)

@@ -1,41 +1,100 @@
 """``midflight serve <role>``: start one reference server on 127.0.0.1.
 
-Each role is a command of the ``serve`` sub-app; this issue adds ``worker``. A server binds its port
-itself (``--port 0`` picks a free one) and prints ``listening on http://127.0.0.1:<port>`` on stdout,
-flushed, before it serves, so a supervisor can read the port it got. The control token comes from
-``MIDFLIGHT_CONTROL_TOKEN``; without it no control route is installed.
+Each role lives in its own module (listed in ``SERVE_ROLE_MODULES``) that adds one command to the
+``serve`` sub-app. A server binds its port itself (``--port 0`` picks a free one), listens, and only
+then prints ``listening on http://127.0.0.1:<port>`` on stdout, so a supervisor can read the port
+and connect at once. After that line, everything the server prints goes to stderr (its log).
+The control token comes from ``MIDFLIGHT_CONTROL_TOKEN``; without it no control route is
+installed. The capture token (ledger routes) comes from ``MIDFLIGHT_CAPTURE_TOKEN`` and defaults
+to the control token.
 """
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Final
+from typing import Annotated, Any, Final
 
+import structlog
 import typer
 import uvicorn
 
-from ._worker import DEFAULT_WORKER_PORT, WorkerSettings, create_worker_app
+from ._cluster import Cluster, Role, default_cluster, read_cluster
 
 HOST: Final = "127.0.0.1"
 CONTROL_TOKEN_ENV: Final = "MIDFLIGHT_CONTROL_TOKEN"  # noqa: S105 - the variable name, not a token
+CAPTURE_TOKEN_ENV: Final = "MIDFLIGHT_CAPTURE_TOKEN"  # noqa: S105 - the variable name, not a token
 DEFAULT_ROOT: Final = Path("midflight-run")
 
-serve_app = typer.Typer(
-    name="serve",
-    help="Start one reference server on 127.0.0.1.",
-    no_args_is_help=True,
-    add_completion=False,
-)
+SERVE_ROLE_MODULES: Final[tuple[str, ...]] = ("e2e._serve_worker",)
+"""Modules that each add one role to ``serve`` (``register(serve_app)``)."""
 
-PortOption = Annotated[
-    int, typer.Option(min=0, max=65535, help="Port on 127.0.0.1; 0 picks a free one.")
-]
-RootOption = Annotated[
-    Path, typer.Option(help="The run root: staging/, evidence/ and the rest live under it.")
-]
+
+class ServeOptions:
+    """Option types every role shares."""
+
+    Cluster = Annotated[
+        Path | None,
+        typer.Option("--cluster", help="Cluster file (TOML): the run root and the peers' URLs."),
+    ]
+    Root = Annotated[
+        Path | None,
+        typer.Option("--root", help="Run root; default: the cluster file's, else ./midflight-run."),
+    ]
+
+
+@dataclass(frozen=True)
+class ServeContext:
+    """What a role needs to start: its name and port, the run root, its peers and tokens."""
+
+    name: str
+    port: int
+    root: Path
+    cluster: Cluster
+    control_token: str | None
+    capture_token: str | None
+
+    def peer_url(self, role: Role) -> str:
+        """The URL of the peer of ``role`` (from the cluster file, else its default port)."""
+        return self.cluster.url_of(role)
+
+
+def serve_options_from(
+    *, name: str, port: int, cluster: Path | None, root: Path | None
+) -> ServeContext:
+    """Resolve the shared options of ``serve <role>``."""
+    parsed = read_cluster(cluster) if cluster is not None else None
+    run_root = (root or (parsed.root if parsed else DEFAULT_ROOT)).resolve()
+    control = os.environ.get(CONTROL_TOKEN_ENV) or None
+    capture = os.environ.get(CAPTURE_TOKEN_ENV) or control
+    return ServeContext(
+        name=name,
+        port=port,
+        root=run_root,
+        cluster=parsed if parsed is not None else default_cluster(run_root),
+        control_token=control,
+        capture_token=capture,
+    )
+
+
+def configure_server_logging() -> None:
+    """Structured JSON logs on stderr (the server's log file); stdout carries only the port line."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
 
 
 def bind_listening_socket(port: int) -> socket.socket:
@@ -51,42 +110,29 @@ def bind_listening_socket(port: int) -> socket.socket:
     return sock
 
 
-def run_server(app: object, port: int) -> None:
-    """Bind, announce the port on stdout, and serve ``app`` until interrupted."""
+def run_server(app: Any, options: ServeContext | int) -> None:
+    """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
+    port = options if isinstance(options, int) else options.port
+    configure_server_logging()
     sock = bind_listening_socket(port)
     with sock:
         bound = sock.getsockname()[1]
         sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
         sys.stdout.flush()
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")  # type: ignore[arg-type]
+        # Nobody reads stdout after the port line: anything printed later must not fill the pipe.
+        sys.stdout = sys.stderr
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="auto")
         uvicorn.Server(config).run(sockets=[sock])
 
 
-@serve_app.command("worker")
-def serve_worker(
-    port: PortOption = DEFAULT_WORKER_PORT,
-    root: RootOption = DEFAULT_ROOT,
-    token_delay_ms: Annotated[
-        float, typer.Option(min=0.0, help="Delay before each generated token.")
-    ] = 2.0,
-    seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Generation seed.")] = 0,
-    cut_timeout_ms: Annotated[
-        float, typer.Option(min=1.0, help="Deadline of one call's generation cut.")
-    ] = 5000.0,
-    name: Annotated[str, typer.Option(help="The server's name.")] = "worker",
-) -> None:
-    """The deterministic inference worker (default port 8701)."""
-    settings = WorkerSettings(
-        root=root.resolve(),
-        seed=seed,
-        token_delay_ms=token_delay_ms,
-        cut_timeout_ms=cut_timeout_ms,
-        control_token=os.environ.get(CONTROL_TOKEN_ENV) or None,
-        name=name,
-    )
-    run_server(create_worker_app(settings), port)
-
-
 def register(app: typer.Typer) -> None:
-    """Add the ``serve`` sub-app."""
+    """Add the ``serve`` sub-app with every role."""
+    serve_app = typer.Typer(
+        name="serve",
+        help="Start one reference server on 127.0.0.1.",
+        no_args_is_help=True,
+        add_completion=False,
+    )
+    for module_name in SERVE_ROLE_MODULES:
+        importlib.import_module(module_name).register(serve_app)
     app.add_typer(serve_app)

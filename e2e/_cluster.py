@@ -1,0 +1,127 @@
+"""The cluster file (TOML): the run root and every server's name, role, URL and options.
+
+The supervisor writes it; every server, the coordinator and the command line read it. Servers
+start in dependency order (worker, model, resources, agent, environment), so when a server reads
+the file at start-up its peers are already listed.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal
+
+from participants import write_file_durably
+
+Role = Literal["environment", "agent", "resources", "model", "worker"]
+ROLES: Final[tuple[Role, ...]] = ("worker", "model", "resources", "agent", "environment")
+"""Every role, in start-up (dependency) order."""
+
+DEFAULT_NAMES: Final[dict[Role, str]] = {
+    "worker": "worker",
+    "model": "policy",
+    "resources": "resources",
+    "agent": "agent",
+    "environment": "environment",
+}
+DEFAULT_PORTS: Final[dict[Role, int]] = {
+    "worker": 8701,
+    "model": 8702,
+    "resources": 8703,
+    "agent": 8704,
+    "environment": 8705,
+}
+
+
+@dataclass(frozen=True)
+class ServerEntry:
+    """One ``[[server]]`` table."""
+
+    name: str
+    role: Role
+    url: str
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A parsed cluster file."""
+
+    root: Path
+    servers: tuple[ServerEntry, ...]
+
+    def by_role(self, role: Role) -> list[ServerEntry]:
+        """The servers of one role, in file order."""
+        return [server for server in self.servers if server.role == role]
+
+    def url_of(self, role: Role) -> str:
+        """The URL of the (first) server of ``role``.
+
+        Raises:
+            LookupError: No server of that role is listed.
+        """
+        found = self.by_role(role)
+        if not found:
+            raise LookupError(f"the cluster file lists no {role} server")
+        return found[0].url
+
+
+def default_cluster(root: Path) -> Cluster:
+    """Every role on its default port on 127.0.0.1 (what ``serve`` assumes without a file)."""
+    return Cluster(
+        root=root,
+        servers=tuple(
+            ServerEntry(DEFAULT_NAMES[role], role, f"http://127.0.0.1:{DEFAULT_PORTS[role]}")
+            for role in ROLES
+        ),
+    )
+
+
+def read_cluster(path: Path) -> Cluster:
+    """Parse a cluster file.
+
+    Raises:
+        ValueError: The file is not a valid cluster file.
+    """
+    try:
+        data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"cannot read cluster file {path}: {exc}") from exc
+    root = data.get("root")
+    if not isinstance(root, str) or not Path(root).is_absolute():
+        raise ValueError(f"{path}: root must be an absolute path")
+    servers = []
+    for entry in data.get("server", []):
+        options = {k: v for k, v in entry.items() if k not in ("name", "role", "url")}
+        if entry.get("role") not in ROLES:
+            raise ValueError(f"{path}: unknown role {entry.get('role')!r}")
+        servers.append(ServerEntry(str(entry["name"]), entry["role"], str(entry["url"]), options))
+    return Cluster(root=Path(root), servers=tuple(servers))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        escaped = value.replace("\\", "\\\\").replace('"', '\\"')
+        return f'"{escaped}"'
+    raise TypeError(f"cannot write {value!r} to a cluster file")
+
+
+def write_cluster(path: Path, cluster: Cluster) -> None:
+    """Write the cluster file atomically (temp, fsync, rename, directory fsync)."""
+    lines = [f"root = {_toml_value(str(cluster.root))}", ""]
+    for server in cluster.servers:
+        lines += [
+            "[[server]]",
+            f"name = {_toml_value(server.name)}",
+            f"role = {_toml_value(server.role)}",
+            f"url = {_toml_value(server.url)}",
+        ]
+        lines += [f"{key} = {_toml_value(value)}" for key, value in server.options.items()]
+        lines.append("")
+    write_file_durably(Path(path), "\n".join(lines).encode("utf-8"))

@@ -32,6 +32,8 @@ from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger_memory import MemoryCaptureLedger
 from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
+from ._model import ModelParticipant
+from ._model_gate import ModelTicket
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
 from ._runtime import ControlPlane, ControlSettings
@@ -76,6 +78,8 @@ __all__ = [
     "LedgerCacheCollector",
     "ManualClock",
     "MemoryCaptureLedger",
+    "ModelParticipant",
+    "ModelTicket",
     "Participant",
     "ParticipantCheckpoint",
     "Record",

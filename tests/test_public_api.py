@@ -62,7 +62,7 @@ PUBLIC = {
         "WRITE_STEPS", "ActiveCall", "BaseParticipant", "CaptureAdapter", "CaptureError",
         "ChangeNotifier", "Clock", "ControlPlane", "ControlSettings", "ControlTelemetry",
         "FileCaptureLedger", "FileTokenStagingStore", "Job", "LedgerCacheCollector",
-        "ManualClock", "MemoryCaptureLedger", "Participant", "ParticipantCheckpoint",
+        "ManualClock", "MemoryCaptureLedger", "ModelParticipant", "ModelTicket", "Participant", "ParticipantCheckpoint",
         "Record", "RecordsWriter", "RetireMarks", "RolloutTokenCapture", "RowCache",
         "StreamingUnsupportedError", "SystemClock", "authorized", "build_report",
         "control_router", "error_response", "fsync_directory", "install_error_envelope",

@@ -1,0 +1,380 @@
+"""The policy server (``midflight serve model``): chat completions captured through the ledger.
+
+``POST /ng-rollout/<capture_key>/v1/chat/completions`` renders the messages into prompt bytes,
+passes the gate (a retired attempt is refused; while a checkpoint is open the call waits), resolves
+its parent through the capture ledger's lineage matcher, has the worker generate and stage it under
+a ``CaptureAdmission``, records the worker's commit coordinates as a custody row, then waits at
+egress while a checkpoint is open (the response is held) and logs the response to the evidence
+file, fsynced, before sending it. The control routes and the ledger routes are mounted beside it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import anyio
+import anyio.to_thread
+import httpx
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Receive, Scope, Send
+
+from participants import (
+    ControlPlane,
+    FileCaptureLedger,
+    ModelParticipant,
+    ModelTicket,
+    ledger_control_router,
+    participant_app,
+)
+from protocols import (
+    FINGERPRINT_VERSION,
+    MAX_COMPLETION_TOKENS,
+    CallRecord,
+    CaptureAdmission,
+    CaptureLedger,
+    CaptureLedgerCommit,
+    CheckpointCoordinatorUnavailableError,
+    CommitCoords,
+    CompletionReply,
+    EpisodeId,
+    InternalError,
+    InvalidRequestError,
+    LineageResolution,
+    StaleAttemptError,
+    decode,
+    encode,
+    render_prompt,
+)
+
+from ._cmd_serve import ServeContext
+from ._evidence import EvidenceLog, read_evidence
+
+CHAT_ROUTE: Final = "/ng-rollout/{capture_key}/v1/chat/completions"
+WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
+"""A generation may be held through a checkpoint on its way back; connecting must be quick."""
+
+
+class ChatMessage(BaseModel):
+    """One chat message."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: str = Field(max_length=1_048_576)
+
+
+class ChatCompletionRequest(BaseModel):
+    """Body of the chat completions route."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_tokens: int = Field(ge=1, le=MAX_COMPLETION_TOKENS)
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def request_digest(prompt: list[int]) -> str:
+    """SHA-256 hex of a call's rendered prompt bytes (the evidence's request digest)."""
+    return hashlib.sha256(bytes(prompt)).hexdigest()
+
+
+def policy_evidence_path(root: Path, name: str = "policy") -> Path:
+    """Where the policy server ``name`` with this run root appends its evidence."""
+    return root / "evidence" / f"{name}.jsonl"
+
+
+def read_policy_evidence(root: Path, name: str = "policy") -> list[dict[str, Any]]:
+    """The policy server's egress events (for tests and the drill)."""
+    return read_evidence(policy_evidence_path(root, name))
+
+
+class _ReleasingResponse(JSONResponse):
+    """A JSON response that releases the call's ticket once its bytes are sent (or failed)."""
+
+    def __init__(self, content: Any, release: Callable[[], None]) -> None:
+        super().__init__(content)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+class PolicyServer:
+    """The data plane of one policy server process.
+
+    Args:
+        participant: The model participant (gate and ledger).
+        evidence: The egress evidence log.
+        worker_url: Base URL of the inference worker.
+        worker_transport: Transport of the worker client (tests inject one).
+    """
+
+    def __init__(
+        self,
+        participant: ModelParticipant,
+        evidence: EvidenceLog,
+        worker_url: str,
+        worker_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.participant = participant
+        self.ledger: CaptureLedger = participant.ledger
+        self.evidence = evidence
+        self.worker_url = worker_url
+        self._transport = worker_transport
+        self.client: httpx.AsyncClient | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The worker client, for as long as the server runs."""
+        async with httpx.AsyncClient(
+            base_url=self.worker_url, timeout=WORKER_TIMEOUT, transport=self._transport
+        ) as client:
+            self.client = client
+            try:
+                yield
+            finally:
+                self.client = None
+
+    async def chat(self, key: str, body: ChatCompletionRequest) -> JSONResponse:
+        """Serve one chat completion of the attempt ``key`` (see the module docstring)."""
+        episode = EpisodeId.from_capture_key(key)
+        messages = [m.model_dump() for m in body.messages]
+        try:
+            prompt = encode(render_prompt(messages))
+        except ValueError as exc:  # a framing byte or a character outside Latin-1
+            raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
+        ticket = await self.participant.admit(episode)
+        gate = self.participant.gate
+        handed_over = False
+        try:
+            with ticket.scope:
+                content, tokens = await self._generate(key, ticket, messages, prompt, body)
+                reply = {
+                    "id": f"chatcmpl-{ticket.model_call_id}",
+                    "choices": [
+                        {
+                            "index": 0,
+                            "message": {"role": "assistant", "content": content},
+                            "finish_reason": "length",
+                        }
+                    ],
+                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
+                    "ng_model_call_id": ticket.model_call_id,
+                }
+                await gate.deliver(ticket)
+                # Delivered from here on: a retire arriving now must not cut off the log line.
+                with anyio.CancelScope(shield=True):
+                    await anyio.to_thread.run_sync(
+                        self.evidence.append,
+                        {
+                            "event": "egress",
+                            "capture_key": key,
+                            "model_call_id": ticket.model_call_id,
+                            "request_digest": request_digest(prompt),
+                            "response_tokens": len(tokens),
+                            "continued_cut": False,
+                            "held": ticket.held,
+                            "t": time.time(),
+                        },
+                    )
+                handed_over = True
+                return _ReleasingResponse(reply, functools.partial(gate.release, ticket))
+        finally:
+            if not handed_over:
+                gate.release(ticket)
+        raise StaleAttemptError(f"{key} was retired while its call was in flight")
+
+    async def _generate(
+        self,
+        key: str,
+        ticket: ModelTicket,
+        messages: list[dict[str, Any]],
+        prompt: list[int],
+        body: ChatCompletionRequest,
+    ) -> tuple[str, list[int]]:
+        resolution = await self.ledger.resolve(key, messages)
+        admission = _admission(key, ticket.model_call_id, resolution)
+        if admission is None:
+            if resolution.reason == "rollout_retired":
+                raise StaleAttemptError(f"the capture ledger of {key} is retired")
+            # The call is served, but its tokens cannot be chained: poison it in the manifest.
+            await self.ledger.record_failure(key, ticket.model_call_id, "unresolved_parent")
+        reply = await self._call_worker(prompt, body.max_tokens, admission)
+        content = decode(reply.token_ids)
+        if admission is not None:
+            await self._record(key, ticket, messages, content, admission, resolution, reply)
+        return content, reply.token_ids
+
+    async def _call_worker(
+        self, prompt: list[int], max_tokens: int, admission: CaptureAdmission | None
+    ) -> CompletionReply:
+        assert self.client is not None, "the policy server is not running"
+        payload: dict[str, Any] = {"prompt_token_ids": prompt, "max_tokens": max_tokens}
+        if admission is not None:
+            payload["ng_capture"] = admission.model_dump(mode="json")
+        try:
+            response = await self.client.post("/v1/completions", json=payload)
+        except httpx.TransportError as exc:
+            raise CheckpointCoordinatorUnavailableError(
+                f"the inference worker at {self.worker_url} is unreachable: {exc!r}"
+            ) from None
+        if response.status_code != 200:
+            raise InternalError(
+                f"the inference worker refused the call: {response.status_code} "
+                f"{response.text[:500]}"
+            )
+        return CompletionReply.model_validate_json(response.content)
+
+    async def _record(
+        self,
+        key: str,
+        ticket: ModelTicket,
+        messages: list[dict[str, Any]],
+        content: str,
+        admission: CaptureAdmission,
+        resolution: LineageResolution,
+        reply: CompletionReply,
+    ) -> None:
+        coords = reply.ng_commit_coords
+        reason = _coords_problem(coords, admission)
+        if reason is not None or coords is None:
+            await self.ledger.record_failure(
+                key, ticket.model_call_id, reason or "worker_capture_failed"
+            )
+            return
+        # A staged disposition guarantees these (CommitCoords validates it).
+        assert coords.staging_key is not None
+        assert coords.digest is not None
+        assert coords.extras_digest is not None
+        assert coords.chain_hash is not None
+        assert coords.cumulative_hash is not None
+        parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
+        record = CallRecord(
+            rollout_id=key,
+            model_call_id=ticket.model_call_id,
+            parent_call_id=coords.parent_call_id,
+            staging_key=coords.staging_key,
+            weight_version=coords.weight_version,
+            prev_len=coords.prev_len,
+            delta_len=coords.delta_len,
+            cum_len=coords.cum_len,
+            digest=coords.digest,
+            extras_digest=coords.extras_digest,
+            mode=admission.mode,
+            admitted_at=ticket.admitted_at,
+            chain_hash=coords.chain_hash,
+            cumulative_hash=coords.cumulative_hash,
+            response_id=f"chatcmpl-{ticket.model_call_id}",
+            fingerprint_version=FINGERPRINT_VERSION,
+        )
+        await self.ledger.record(
+            CaptureLedgerCommit(
+                rollout_id=key,
+                record=record,
+                staging_chain=(*parent_chain, coords.staging_key),
+                request_items=messages,
+                response_items=[{"role": "assistant", "content": content}],
+            )
+        )
+
+
+def _admission(key: str, call_id: str, resolution: LineageResolution) -> CaptureAdmission | None:
+    """The worker's contract for the call; ``None`` when its parent could not be resolved."""
+    if resolution.status == "root":
+        return CaptureAdmission(rollout_id=key, model_call_id=call_id, mode="text")
+    match = resolution.match
+    if resolution.status != "resolved" or match is None or not match.staging_chain:
+        return None
+    return CaptureAdmission(
+        rollout_id=key,
+        model_call_id=call_id,
+        parent_call_id=match.model_call_id,
+        prev_len=match.prev_len,
+        mode="token_in",
+        staging_chain=list(match.staging_chain),
+        parent_chain_hash=match.chain_hash,
+    )
+
+
+def _coords_problem(coords: CommitCoords | None, admission: CaptureAdmission) -> str | None:
+    """Why the worker's coordinates cannot become a custody row, if they cannot."""
+    if coords is None:
+        return "worker_response_missing_commit_coordinates"
+    if coords.disposition != "staged":
+        return "worker_capture_failed"
+    if (
+        coords.rollout_id != admission.rollout_id
+        or coords.model_call_id != admission.model_call_id
+        or coords.parent_call_id != admission.parent_call_id
+        or coords.prev_len != admission.prev_len
+    ):
+        return "invalid_worker_commit_coordinates"
+    return None
+
+
+def create_model_app(
+    ctx: ServeContext,
+    *,
+    ledger: CaptureLedger | None = None,
+    worker_url: str | None = None,
+    worker_transport: httpx.AsyncBaseTransport | None = None,
+    admission_wait_seconds: float | None = None,
+) -> FastAPI:
+    """The policy server's app: chat completions, control routes, ledger routes.
+
+    Args:
+        ctx: Name, run root, peers and tokens.
+        ledger: The capture ledger; a ``FileCaptureLedger`` under ``<root>/ledger/`` by default.
+        worker_url: The worker's base URL; the cluster's ``worker`` by default.
+        worker_transport: Transport of the worker client (tests).
+        admission_wait_seconds: Bound of a call waiting for resume (the gate's default if None).
+    """
+    capture = ledger if ledger is not None else FileCaptureLedger(ctx.root / "ledger")
+    options = (
+        {} if admission_wait_seconds is None else {"admission_wait_seconds": admission_wait_seconds}
+    )
+    participant = ModelParticipant(capture, ctx.name, **options)
+    server = PolicyServer(
+        participant,
+        EvidenceLog(policy_evidence_path(ctx.root, ctx.name)),
+        worker_url or ctx.peer_url("worker"),
+        worker_transport,
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        async with server.running():
+            yield
+
+    plane = ControlPlane(participant)
+    app = participant_app(
+        plane, token=ctx.control_token, title="midflight policy server", lifespan=lifespan
+    )
+    app.state.policy = server
+    app.state.plane = plane
+    if ctx.capture_token:
+        app.include_router(
+            ledger_control_router(
+                capture,
+                capture_token=ctx.capture_token,
+                is_checkpoint_open=participant.is_checkpoint_open,
+            )
+        )
+
+    @app.post(CHAT_ROUTE, summary="A chat completion of one episode's attempt")
+    async def chat_completions(capture_key: str, body: ChatCompletionRequest) -> JSONResponse:
+        return await server.chat(capture_key, body)
+
+    return app

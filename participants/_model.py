@@ -1,0 +1,244 @@
+"""The policy-model participant: its gate, the capture ledger's checkpoint side, retire.
+
+A checkpoint of the policy server holds, per episode in scope, the episode's ledger rows minus
+the calls still undelivered (their responses are held; the agent will re-issue them after a
+restore), as ``{"episode_id", "rows", "generation_cuts": []}`` — generation cuts come later.
+A restore, in a fresh process only, imports each scoped episode's rows as the ledger of its next
+attempt (stamping carried rows with the capture key they were staged under) and retires the
+ledgers of the attempts it continues, so a late row of the crashed attempt can never recreate one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+import anyio.to_thread
+
+from protocols import (
+    MAX_LEDGER_BATCH,
+    CaptureLedger,
+    CheckpointError,
+    CheckpointRequest,
+    EpisodeId,
+    InvalidCheckpointStateError,
+    ParticipantKind,
+    PrepareReport,
+    StaleAttemptError,
+    capture_key,
+)
+
+from ._model_gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
+from ._participant import BaseParticipant, Record
+from ._report import build_report
+
+MODEL_RECORD_FIELDS: Final = frozenset({"episode_id", "rows", "generation_cuts"})
+
+
+def stamp_carried_rows(
+    source: EpisodeId, rows: Sequence[Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """Rows as the next attempt's ledger holds them: every custody row names where it was staged.
+
+    A row that already carries a ``capture_key`` (a chain of restores) keeps its original stamp;
+    failure rows have no staging key and stay as they are.
+    """
+    stamped = []
+    for row in rows:
+        copy = dict(row)
+        if copy.get("staging_key") and not copy.get("capture_key"):
+            copy["capture_key"] = source.capture_key
+        stamped.append(copy)
+    return stamped
+
+
+def attempt_keys_through(episode: EpisodeId) -> list[str]:
+    """Capture keys of attempts ``0..episode.attempt`` of the rollout."""
+    return [capture_key(episode.rollout_id, n) for n in range(episode.attempt + 1)]
+
+
+class ModelParticipant(BaseParticipant):
+    """The policy server's participant (kind ``model``).
+
+    Args:
+        ledger: The capture ledger this server owns.
+        instance: The server name (``policy`` in the reference deployment).
+        admission_wait_seconds: Bound of a call waiting for a checkpoint to resume.
+    """
+
+    kind: ParticipantKind = "model"
+
+    def __init__(
+        self,
+        ledger: CaptureLedger,
+        instance: str = "policy",
+        *,
+        admission_wait_seconds: float = DEFAULT_ADMISSION_WAIT_SECONDS,
+    ) -> None:
+        super().__init__()
+        self.instance = instance
+        self.ledger = ledger
+        self.gate = ModelGate(lambda: self.marks, self.changes.notify, admission_wait_seconds)
+        self.restored_targets: set[str] = set()
+        self.served = False
+
+    # -- data plane -----------------------------------------------------------------------
+
+    async def admit(self, episode: EpisodeId) -> ModelTicket:
+        """Admit a call of ``episode`` (waiting while closed); mark a restored attempt started.
+
+        Raises:
+            StaleAttemptError: The attempt is retired or fenced, or its ledger is.
+            AdmissionClosedError: A checkpoint stayed open too long.
+        """
+        ticket = await self.gate.admit(episode)
+        self.served = True
+        key = episode.capture_key
+        if key in self.restored_targets:
+            # The attempt starts here: its ledger must outlive a commit's delete_restored.
+            self.restored_targets.discard(key)
+            try:
+                started = await self.ledger.mark_started(key)
+            except BaseException:
+                self.gate.release(ticket)
+                raise
+            if not started:
+                self.gate.release(ticket)
+                raise StaleAttemptError(f"the capture ledger of {key} is retired")
+        return ticket
+
+    def is_checkpoint_open(self) -> bool:
+        """Whether admission is closed (ledger retire and delete are refused meanwhile)."""
+        return not self.gate.accepting
+
+    # -- participant interface ------------------------------------------------------------
+
+    async def close_admission(self, request: CheckpointRequest) -> None:
+        """New calls wait; responses not yet started are held."""
+        self.gate.close()
+        self.changes.notify()
+
+    async def open_admission(self) -> None:
+        """Admit the waiting calls and deliver the held responses."""
+        self.gate.open()
+        self.changes.notify()
+
+    def readiness(self) -> PrepareReport:
+        """Generations and held responses never block; a response being sent does, briefly."""
+        return build_report(
+            self.gate.in_transmission() if not self.gate.accepting else [],
+            counts={"inflight": len(self.gate.tickets), "held": self.gate.held_count()},
+        )
+
+    async def export(self, episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
+        """Each scoped episode's ledger rows minus its undelivered calls.
+
+        Raises:
+            CheckpointError: No scope was given (the model needs the episodes continued).
+        """
+        if episode_ids is None:
+            raise CheckpointError(
+                "a model commit needs the episode_ids the controller continues from this checkpoint"
+            )
+        undelivered = self.gate.undelivered()  # taken on the loop while admission is closed
+        records: list[Record] = []
+        for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
+            rows = await anyio.to_thread.run_sync(self.ledger.export_rows, episode.capture_key)
+            kept = [row for row in rows if row.get("model_call_id") not in undelivered]
+            if kept:
+                records.append(
+                    {"episode_id": episode.model_dump(), "rows": kept, "generation_cuts": []}
+                )
+        return records
+
+    def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
+        """``staging_keys`` (sorted union) and ``staging_keys_by_episode``: rows to keep staged."""
+        by_episode: dict[str, list[str]] = {}
+        for record in records:
+            key = EpisodeId.model_validate(record["episode_id"]).capture_key
+            keys = {str(r["staging_key"]) for r in record["rows"] if r.get("staging_key")}
+            by_episode[key] = sorted(keys)
+        union = sorted({k for keys in by_episode.values() for k in keys})
+        return {"staging_keys": union, "staging_keys_by_episode": by_episode}
+
+    async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
+        """Import every scoped episode's rows under its next attempt; retire attempts 0..N.
+
+        Raises:
+            CheckpointError: This process has served calls, or the ledger refused the rows.
+            InvalidCheckpointStateError: A record is malformed or outside the scope.
+        """
+        if self.served:
+            raise CheckpointError(
+                "a model restore needs a freshly started server; this one has served calls"
+            )
+        wanted = {episode.capture_key: episode for episode in scope}
+        ledgers: dict[str, list[dict[str, Any]]] = {
+            episode.next_attempt().capture_key: [] for episode in scope
+        }
+        for index, record in enumerate(records):  # every record is checked before any change
+            source = _checked_record(record, index, wanted)
+            ledgers[source.next_attempt().capture_key] = stamp_carried_rows(source, record["rows"])
+        try:
+            await anyio.to_thread.run_sync(self.ledger.import_rows_many, ledgers)
+        except ValueError as exc:
+            raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
+        self.restored_targets = set(ledgers)
+        await self._retire_ledgers(list(scope))
+        self.changes.notify()
+
+    def served_live_work(self) -> bool:
+        """Whether any call was admitted here."""
+        return self.served
+
+    def restored_pending(self) -> list[EpisodeId]:
+        """Restored attempts whose first call has not arrived."""
+        return [EpisodeId.from_capture_key(key) for key in sorted(self.restored_targets)]
+
+    async def delete_restored(self, episode_id: EpisodeId) -> None:
+        """Drop a restored attempt left out of a commit; keep its ledger if it has started."""
+        self.restored_targets.discard(episode_id.capture_key)
+        await self.ledger.delete_unstarted([episode_id.capture_key])
+
+    async def retire(self, episode_id: EpisodeId) -> None:
+        """Cancel the covered calls, wait until they left, then retire ledgers 0..N."""
+        await self.gate.cancel_covered(episode_id)
+        for key in list(self.restored_targets):
+            if episode_id.covers(EpisodeId.from_capture_key(key)):
+                self.restored_targets.discard(key)
+        await self._retire_ledgers([episode_id])
+        self.changes.notify()
+
+    async def _retire_ledgers(self, episodes: Sequence[EpisodeId]) -> None:
+        keys = list(dict.fromkeys(k for e in episodes for k in attempt_keys_through(e)))
+        for start in range(0, len(keys), MAX_LEDGER_BATCH):
+            await self.ledger.retire(keys[start : start + MAX_LEDGER_BATCH])
+
+    def status_extra(self) -> dict[str, Any]:
+        """Whether admission is open, restored attempts pending, calls waiting to be admitted."""
+        return {
+            "accepting": self.gate.accepting,
+            "restored_pending": sorted(self.restored_targets),
+            "waiting": self.gate.waiting,
+        }
+
+
+def _checked_record(record: Record, index: int, wanted: Mapping[str, EpisodeId]) -> EpisodeId:
+    if not isinstance(record, Mapping) or set(record) != MODEL_RECORD_FIELDS:
+        raise InvalidCheckpointStateError(
+            f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
+        )
+    try:
+        source = EpisodeId.model_validate(record["episode_id"])
+    except ValueError:
+        raise InvalidCheckpointStateError(f"model record {index} has no valid episode_id") from None
+    if source.capture_key not in wanted:
+        raise InvalidCheckpointStateError(f"model record {index} is outside the restore scope")
+    rows = record["rows"]
+    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+        raise InvalidCheckpointStateError(f"model record {index}: rows must be a list of objects")
+    if record["generation_cuts"] != []:
+        raise InvalidCheckpointStateError(
+            f"model record {index} carries generation cuts, which this server cannot continue yet"
+        )
+    return source

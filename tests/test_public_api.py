@@ -70,7 +70,12 @@ PUBLIC = {
         "read_participant_checkpoint", "rebuild_generation_cut", "write_file_durably",
     ],
     "coordinator": [
-        "LedgerClient",
+        "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "DEFAULT_CONTROL_ATTEMPTS", "DISCOVERY_ATTEMPTS",
+        "LATEST_FILE", "STATUS_TIMEOUT_SECONDS",
+        "CheckpointManifest", "ControlClient", "CoordinationError", "Coordinator", "LedgerClient",
+        "Member", "NotAParticipantError", "PrepareResult", "PublishedParticipant",
+        "checkpoint_directory", "discover", "is_retryable", "publish_checkpoint",
+        "publish_checkpoint_sync", "read_checkpoint", "read_latest",
     ],
     "e2e": [
         "build_app", "main",

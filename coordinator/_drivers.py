@@ -1,0 +1,344 @@
+"""The fixed-order drivers: one checkpoint operation across every participant.
+
+The coordinator holds no state of its own between calls; every call may be repeated with the same
+checkpoint id. The orders come from ``protocols``: prepare walks ``PREPARE_ORDER`` stage by stage
+(callers park before the callees they wait on), resume walks it backwards (no server reopens
+before the servers it calls), retire and forget walk ``RETIRE_ORDER`` (callers stop before
+callees), and commit, restore and renew go to everyone at once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Final, TypeVar
+
+import anyio
+
+from protocols import (
+    PREPARE_ORDER,
+    RESTORE_CLEANUP_MIN_SECONDS,
+    RESUME_ORDER,
+    RETIRE_ORDER,
+    CommitReply,
+    EpisodeId,
+    ForgetReply,
+    ParticipantKind,
+    Phase,
+    PrepareReply,
+    RenewReply,
+    RestoreReply,
+    ResumeReply,
+    RetireReply,
+    validate_rollout_ids,
+)
+
+from ._client import ControlClient
+
+T = TypeVar("T")
+NO_MODEL: Final = "no policy model takes part in checkpoints"
+
+
+class CoordinationError(Exception):
+    """One coordinated operation failed on some participants.
+
+    Attributes:
+        operation: The operation (``prepare``, ``commit``, ``restore``, …).
+        failures: Server name → what went wrong there.
+        causes: Server name → the exception itself (typed ``MidflightError`` when the server
+            answered with an error envelope).
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        failures: Mapping[str, str],
+        causes: Mapping[str, BaseException] | None = None,
+    ) -> None:
+        self.operation = operation
+        self.failures = dict(failures)
+        self.causes = dict(causes or {})
+        listed = "; ".join(f"{name}: {message}" for name, message in sorted(self.failures.items()))
+        super().__init__(f"{operation} failed: {listed}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One discovered participant.
+
+    Attributes:
+        kind: Its participant kind.
+        instance: Its server name (a path component of the checkpoint layout).
+        url: Its root URL.
+        client: Its control client (a reserved connection pool).
+    """
+
+    kind: ParticipantKind
+    instance: str
+    url: str
+    client: ControlClient = field(compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    """What a coordinated prepare found.
+
+    Attributes:
+        prepared: Whether every participant replied ``prepared``.
+        replies: Server name → its prepare reply, for the stages that were asked.
+    """
+
+    prepared: bool
+    replies: Mapping[str, PrepareReply]
+
+    def blockers(self) -> dict[str, list[str]]:
+        """Server name → its blocking capture keys, for each reply that is not prepared."""
+        return {
+            name: list(reply.report.blockers)
+            for name, reply in self.replies.items()
+            if reply.phase != Phase.PREPARED
+        }
+
+    def restarts(self) -> set[EpisodeId]:
+        """Every episode some participant cannot capture: a rollout restarts if any part does."""
+        return {
+            EpisodeId.from_capture_key(key)
+            for reply in self.replies.values()
+            for key in reply.report.restarts
+        }
+
+    def continued(self, episodes: Iterable[EpisodeId]) -> list[EpisodeId]:
+        """The commit scope: ``episodes`` minus the restarts, in the given order."""
+        restarts = self.restarts()
+        return [episode for episode in episodes if episode not in restarts]
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+async def _each(
+    members: Sequence[Member], call: Callable[[Member], Awaitable[T]]
+) -> tuple[dict[str, T], dict[str, BaseException]]:
+    """Run ``call`` on every member concurrently; collect replies and failures by server name."""
+    replies: dict[str, T] = {}
+    failures: dict[str, BaseException] = {}
+
+    async def one(member: Member) -> None:
+        try:
+            replies[member.instance] = await call(member)
+        except Exception as exc:  # any failure is reported per participant, never lost
+            failures[member.instance] = exc
+
+    async with anyio.create_task_group() as group:
+        for member in members:
+            group.start_soon(one, member)
+    return replies, failures
+
+
+def _raise_if(operation: str, failures: Mapping[str, BaseException]) -> None:
+    if failures:
+        raise CoordinationError(
+            operation, {name: _describe(exc) for name, exc in failures.items()}, failures
+        )
+
+
+class Coordinator:
+    """Drives checkpoint operations across a fixed set of participants.
+
+    Members are sorted by (``PREPARE_ORDER`` index, server name). Use it as an async context
+    manager, or call :meth:`aclose`, to close the members' control clients.
+
+    Args:
+        members: The participants (usually from :func:`discover`).
+
+    Raises:
+        ValueError: Two members share a server name.
+    """
+
+    def __init__(self, members: Iterable[Member]) -> None:
+        ordered = sorted(members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.instance))
+        names = [member.instance for member in ordered]
+        if len(set(names)) != len(names):
+            raise ValueError(f"server names must be unique, got {names}")
+        self.members: tuple[Member, ...] = tuple(ordered)
+
+    async def __aenter__(self) -> Coordinator:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every member's control client."""
+        for member in self.members:
+            await member.client.aclose()
+
+    def of_kinds(self, kinds: Iterable[ParticipantKind]) -> list[Member]:
+        """The members whose kind is in ``kinds``, in member order."""
+        wanted = set(kinds)
+        return [member for member in self.members if member.kind in wanted]
+
+    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
+        """Prepare stage by stage in ``PREPARE_ORDER``; stop after the first unprepared stage.
+
+        Raises:
+            CoordinationError: A participant failed or refused (the caller resumes to abort).
+        """
+        replies: dict[str, PrepareReply] = {}
+        for kind in PREPARE_ORDER:
+            stage = self.of_kinds((kind,))
+            if not stage:
+                continue
+            got, failures = await _each(
+                stage, lambda m: m.client.prepare(checkpoint_id, deadline_ts)
+            )
+            _raise_if("prepare", failures)
+            replies.update(got)
+            if any(reply.phase != Phase.PREPARED for reply in got.values()):
+                return PrepareResult(prepared=False, replies=replies)
+        return PrepareResult(prepared=True, replies=replies)
+
+    async def commit(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: Sequence[EpisodeId] | None,
+        *,
+        stop: bool = False,
+    ) -> dict[str, CommitReply]:
+        """Commit on every participant at once.
+
+        Raises:
+            CoordinationError: Any participant failed; nothing may be published.
+        """
+        replies, failures = await _each(
+            self.members,
+            lambda m: m.client.commit(
+                checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop=stop
+            ),
+        )
+        _raise_if("commit", failures)
+        return replies
+
+    async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, ResumeReply]:
+        """Resume in reverse prepare order, going on past failures.
+
+        Raises:
+            CoordinationError: At the end, naming every participant that failed.
+        """
+        replies: dict[str, ResumeReply] = {}
+        failures: dict[str, BaseException] = {}
+        for kind in RESUME_ORDER:
+            got, failed = await _each(
+                self.of_kinds((kind,)), lambda m: m.client.resume(checkpoint_id, deadline_ts)
+            )
+            replies.update(got)
+            failures.update(failed)
+        _raise_if("resume", failures)
+        return replies
+
+    async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, RenewReply]:
+        """Extend every lease at once (publication is taking long).
+
+        Raises:
+            CoordinationError: Any participant failed.
+        """
+        replies, failures = await _each(
+            self.members, lambda m: m.client.renew(checkpoint_id, deadline_ts)
+        )
+        _raise_if("renew", failures)
+        return replies
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: Sequence[EpisodeId],
+    ) -> dict[str, RestoreReply]:
+        """Restore on every participant at once, all or nothing.
+
+        If any participant fails, the next attempts of the scope are retired everywhere (so
+        whatever did install is freed and refused), everyone is resumed, and the error is raised;
+        the controller then reruns those rollouts from input as later attempts.
+
+        Raises:
+            CoordinationError: The restore failed somewhere; its ``failures`` also name any
+                participant whose cleanup failed (``<name> (cleanup retire|resume)``).
+        """
+        replies, failures = await _each(
+            self.members,
+            lambda m: m.client.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
+        )
+        if not failures:
+            return replies
+        cleanup_deadline = max(deadline_ts, time.time() + RESTORE_CLEANUP_MIN_SECONDS)
+        problems: dict[str, BaseException] = dict(failures)
+        try:
+            await self.retire(
+                checkpoint_id, cleanup_deadline, [e.next_attempt() for e in episode_ids]
+            )
+        except CoordinationError as exc:
+            problems.update({f"{name} (cleanup retire)": c for name, c in exc.causes.items()})
+        finally:
+            try:
+                await self.resume(checkpoint_id, cleanup_deadline)
+            except CoordinationError as exc:
+                problems.update({f"{name} (cleanup resume)": c for name, c in exc.causes.items()})
+            _raise_if("restore", problems)
+        raise AssertionError("unreachable")  # pragma: no cover - _raise_if raised above
+
+    async def retire(
+        self, checkpoint_id: str, deadline_ts: float, episode_ids: Sequence[EpisodeId]
+    ) -> dict[str, RetireReply]:
+        """Retire group by group in ``RETIRE_ORDER``, going on past failures; no-op when empty.
+
+        Raising a mark is always safe, so a failed group does not stop the later ones: every
+        participant that can refuse the attempts does.
+
+        Raises:
+            CoordinationError: At the end, naming every participant that failed (retire is safe
+                to repeat).
+        """
+        episodes = list(dict.fromkeys(episode_ids))
+        if not episodes:
+            return {}
+        replies: dict[str, RetireReply] = {}
+        failures: dict[str, BaseException] = {}
+        for group in RETIRE_ORDER:
+            got, failed = await _each(
+                self.of_kinds(group),
+                lambda m: m.client.retire(checkpoint_id, deadline_ts, episodes),
+            )
+            replies.update(got)
+            failures.update(failed)
+        _raise_if("retire", failures)
+        return replies
+
+    async def forget(
+        self, checkpoint_id: str, deadline_ts: float, rollout_ids: Iterable[str]
+    ) -> dict[str, ForgetReply]:
+        """Forget group by group in ``RETIRE_ORDER``; stop after the first group that fails.
+
+        Forgetting lowers a fence, so it fails closed: a callee keeps its marks while a caller
+        still refuses to forget (its retired state is not freed yet).
+
+        Raises:
+            InvalidRolloutIdError: A rollout id is malformed (nothing was sent).
+            CoordinationError: A group failed; later groups were not asked.
+        """
+        rollouts = sorted(validate_rollout_ids(rollout_ids))
+        if not rollouts:
+            return {}
+        replies: dict[str, ForgetReply] = {}
+        for group in RETIRE_ORDER:
+            got, failed = await _each(
+                self.of_kinds(group),
+                lambda m: m.client.forget(checkpoint_id, deadline_ts, rollouts),
+            )
+            _raise_if("forget", failed)
+            replies.update(got)
+        return replies

@@ -24,6 +24,8 @@ import structlog
 import typer
 import uvicorn
 
+from participants import ControlSettings
+
 from ._cluster import Cluster, Role, default_cluster, read_cluster
 
 HOST: Final = "127.0.0.1"
@@ -80,6 +82,19 @@ def serve_options_from(
         control_token=control,
         capture_token=capture,
     )
+
+
+FAULT_ENV: Final = "MIDFLIGHT_FAULT"
+
+
+def active_fault() -> str | None:
+    """The drill fault switch this server runs with (``MIDFLIGHT_FAULT``), if any."""
+    return os.environ.get(FAULT_ENV) or None
+
+
+def control_settings() -> ControlSettings:
+    """The control-plane settings of a reference server (faults included)."""
+    return ControlSettings(fence_on_restore=active_fault() != "no-restore-fence")
 
 
 def configure_server_logging() -> None:

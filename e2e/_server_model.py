@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
 from participants import (
+    MODEL_FAULTS,
     ControlPlane,
     FileCaptureLedger,
     ModelParticipant,
@@ -54,7 +55,7 @@ from protocols import (
     render_prompt,
 )
 
-from ._cmd_serve import ServeContext
+from ._cmd_serve import ServeContext, active_fault, control_settings
 from ._evidence import EvidenceLog, read_evidence
 
 CHAT_ROUTE: Final = "/ng-rollout/{capture_key}/v1/chat/completions"
@@ -92,9 +93,11 @@ def policy_evidence_path(root: Path, name: str = "policy") -> Path:
     return root / "evidence" / f"{name}.jsonl"
 
 
-def read_policy_evidence(root: Path, name: str = "policy") -> list[dict[str, Any]]:
-    """The policy server's egress events (for tests and the drill)."""
-    return read_evidence(policy_evidence_path(root, name))
+def read_policy_evidence(
+    root: Path, name: str = "policy", event: str = "egress"
+) -> list[dict[str, Any]]:
+    """The policy server's evidence events of one kind (``egress`` or ``admit``), in order."""
+    return [e for e in read_evidence(policy_evidence_path(root, name)) if e.get("event") == event]
 
 
 class _ReleasingResponse(JSONResponse):
@@ -157,6 +160,18 @@ class PolicyServer:
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
         gate = self.participant.gate
+        # Logged before the worker is asked: a call re-executed after a restore shows up even if
+        # its response is never delivered.
+        await anyio.to_thread.run_sync(
+            self.evidence.append,
+            {
+                "event": "admit",
+                "capture_key": key,
+                "model_call_id": ticket.model_call_id,
+                "request_digest": request_digest(prompt),
+                "t": time.time(),
+            },
+        )
         handed_over = False
         try:
             with ticket.scope:
@@ -345,7 +360,10 @@ def create_model_app(
     options = (
         {} if admission_wait_seconds is None else {"admission_wait_seconds": admission_wait_seconds}
     )
-    participant = ModelParticipant(capture, ctx.name, **options)
+    fault = active_fault()
+    participant = ModelParticipant(
+        capture, ctx.name, faults=[fault] if fault in MODEL_FAULTS else [], **options
+    )
     server = PolicyServer(
         participant,
         EvidenceLog(policy_evidence_path(ctx.root, ctx.name)),
@@ -358,7 +376,7 @@ def create_model_app(
         async with server.running():
             yield
 
-    plane = ControlPlane(participant)
+    plane = ControlPlane(participant, settings=control_settings())
     app = participant_app(
         plane, token=ctx.control_token, title="midflight policy server", lifespan=lifespan
     )

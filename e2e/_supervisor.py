@@ -39,6 +39,7 @@ class SupervisorOptions:
         startup_timeout: Seconds for a server to report its port.
         health_timeout: Seconds for a server's ``/healthz`` to answer 200.
         python: The interpreter that runs ``-m e2e serve``.
+        env: Extra environment of every server (the drill's ``MIDFLIGHT_FAULT``, say).
     """
 
     roles: tuple[Role, ...] = ROLES
@@ -46,6 +47,7 @@ class SupervisorOptions:
     startup_timeout: float = 30.0
     health_timeout: float = 30.0
     python: str = sys.executable
+    env: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)
@@ -137,7 +139,7 @@ class Supervisor:
         ]
         process = ServerProcess(
             argv,
-            env={CONTROL_TOKEN_ENV: self.token},
+            env={**self.options.env, CONTROL_TOKEN_ENV: self.token},
             log_path=self.root / LOGS_SUBDIR / f"{name}-{self.generation}.log",
             startup_timeout=self.options.startup_timeout,
         )

@@ -32,7 +32,7 @@ from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger_memory import MemoryCaptureLedger
 from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
-from ._model import ModelParticipant
+from ._model import MODEL_FAULTS, ModelParticipant
 from ._model_gate import ModelTicket
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
@@ -61,6 +61,7 @@ __all__ = [
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
     "LOCK_DIRECTORY",
+    "MODEL_FAULTS",
     "RETIRE_STEPS",
     "WRITE_STEPS",
     "ActiveCall",

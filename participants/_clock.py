@@ -84,8 +84,12 @@ async def wait_until(clock: Clock, deadline: float, wait: Callable[[], Awaitable
     Returns:
         True when ``wait()`` returned first, False when the deadline came first (``wait`` is
         then cancelled).
+
+    Raises:
+        Exception: Whatever ``wait()`` raised, as itself (never wrapped in an exception group).
     """
     finished = False
+    error: Exception | None = None
     async with anyio.create_task_group() as group:
 
         async def timer() -> None:
@@ -93,13 +97,19 @@ async def wait_until(clock: Clock, deadline: float, wait: Callable[[], Awaitable
             group.cancel_scope.cancel()
 
         async def waiter() -> None:
-            nonlocal finished
-            await wait()
-            finished = True
+            nonlocal finished, error
+            try:
+                await wait()
+            except Exception as exc:  # re-raised below, outside the task group
+                error = exc
+            else:
+                finished = True
             group.cancel_scope.cancel()
 
         group.start_soon(timer)
         group.start_soon(waiter)
+    if error is not None:
+        raise error
     return finished
 
 

@@ -10,7 +10,7 @@ ledgers of the attempts it continues, so a late row of the crashed attempt can n
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 import anyio.to_thread
@@ -57,6 +57,10 @@ def attempt_keys_through(episode: EpisodeId) -> list[str]:
     return [capture_key(episode.rollout_id, n) for n in range(episode.attempt + 1)]
 
 
+MODEL_FAULTS: Final = frozenset({"export-undelivered", "skip-ledger-import"})
+"""Fault switches the model participant knows (``midflight drill --fault``)."""
+
+
 class ModelParticipant(BaseParticipant):
     """The policy server's participant (kind ``model``).
 
@@ -74,8 +78,16 @@ class ModelParticipant(BaseParticipant):
         instance: str = "policy",
         *,
         admission_wait_seconds: float = DEFAULT_ADMISSION_WAIT_SECONDS,
+        faults: Collection[str] = (),
     ) -> None:
         super().__init__()
+        unknown = set(faults) - MODEL_FAULTS
+        if unknown:
+            raise ValueError(
+                f"unknown model faults {sorted(unknown)}; known: {sorted(MODEL_FAULTS)}"
+            )
+        # Drill fault switches: each breaks one guarantee so the drill can show it notices.
+        self.faults = frozenset(faults)
         self.instance = instance
         self.ledger = ledger
         self.gate = ModelGate(lambda: self.marks, self.changes.notify, admission_wait_seconds)
@@ -141,6 +153,8 @@ class ModelParticipant(BaseParticipant):
                 "a model commit needs the episode_ids the controller continues from this checkpoint"
             )
         undelivered = self.gate.undelivered()  # taken on the loop while admission is closed
+        if "export-undelivered" in self.faults:
+            undelivered = set()
         records: list[Record] = []
         for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
             rows = await anyio.to_thread.run_sync(self.ledger.export_rows, episode.capture_key)
@@ -179,6 +193,8 @@ class ModelParticipant(BaseParticipant):
         for index, record in enumerate(records):  # every record is checked before any change
             source = _checked_record(record, index, wanted)
             ledgers[source.next_attempt().capture_key] = stamp_carried_rows(source, record["rows"])
+        if "skip-ledger-import" in self.faults:
+            ledgers = {key: [] for key in ledgers}
         try:
             await anyio.to_thread.run_sync(self.ledger.import_rows_many, ledgers)
         except ValueError as exc:

@@ -71,12 +71,15 @@ class ControlSettings:
         max_deadline_seconds: A ``deadline_ts`` further ahead than this is ``invalid_request``.
         resume_retry_seconds: After a lease expiry could not reopen, try again this much later.
         readiness_poll_seconds: A waiting prepare re-checks readiness at least this often.
+        fence_on_restore: Whether a restore raises the marks of its scope (attempt N). Only the
+            drill's ``no-restore-fence`` fault turns it off, to show that the drill notices.
     """
 
     lease_grace_seconds: float = DEFAULT_LEASE_GRACE_SECONDS
     max_deadline_seconds: float = DEFAULT_MAX_DEADLINE_SECONDS
     resume_retry_seconds: float = 30.0
     readiness_poll_seconds: float = 1.0
+    fence_on_restore: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -359,8 +359,9 @@ class RestoreProcedure:
             plane.transition(PhaseEvent.RESTORE)
             plane.renew_lease(deadline)
             # Restore fences attempt N: late work of the crashed attempt gets stale_attempt.
-            plane.marks.raise_to(scope)
-            await participant.mark_retired(scope)
+            if plane.settings.fence_on_restore:
+                plane.marks.raise_to(scope)
+                await participant.mark_retired(scope)
             participant.changes.notify()
             reply = RestoreReply(
                 phase=Phase.RESTORED,

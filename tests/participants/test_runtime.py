@@ -21,6 +21,7 @@ from protocols import (
     Phase,
     PrepareReply,
     RestartInScopeError,
+    RetireIncompleteError,
     StaleAttemptError,
     StaleCheckpointError,
 )
@@ -475,3 +476,16 @@ async def test_operations_are_logged_and_counted(tmp_path: Path) -> None:
             == 1
         )
         assert registry.get_sample_value("midflight_checkpoint_phase", {"phase": "prepared"}) == 1
+
+
+async def test_a_participant_refusal_keeps_its_code(tmp_path: Path) -> None:
+    async with harness(tmp_path) as h:
+
+        async def refuse(rollout_ids: object) -> None:
+            raise RetireIncompleteError("sessions of a are not freed yet")
+
+        h.fake.forget = refuse  # type: ignore[method-assign]
+        await h.plane.retire(retire_req([ep("a")]))
+        with pytest.raises(RetireIncompleteError):
+            await h.plane.forget(forget_req(["a"]))
+        assert h.plane.marks.snapshot() == {"a": 0}, "a refused forget changes nothing"

@@ -34,6 +34,18 @@ from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
+from ._resources import (
+    DEFAULT_ADMISSION_WAIT_SECONDS,
+    RESOURCES_MODES,
+    VERIFY_MODES,
+    ResourcesAdmission,
+    ResourcesMode,
+    ResourcesParticipant,
+    ResourcesRoute,
+    ResourcesSession,
+    ResourcesSessionHooks,
+    VerifyMode,
+)
 from ._runtime import ControlPlane, ControlSettings
 from ._staging_store import FileTokenStagingStore
 from ._storage import (
@@ -55,11 +67,14 @@ from ._worker_calls import (
 __all__ = [
     "CAPTURE_FILE_SUFFIXES",
     "CONTROL_EVENTS",
+    "DEFAULT_ADMISSION_WAIT_SECONDS",
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
     "LOCK_DIRECTORY",
+    "RESOURCES_MODES",
     "RETIRE_STEPS",
+    "VERIFY_MODES",
     "WRITE_STEPS",
     "ActiveCall",
     "BaseParticipant",
@@ -80,11 +95,18 @@ __all__ = [
     "ParticipantCheckpoint",
     "Record",
     "RecordsWriter",
+    "ResourcesAdmission",
+    "ResourcesMode",
+    "ResourcesParticipant",
+    "ResourcesRoute",
+    "ResourcesSession",
+    "ResourcesSessionHooks",
     "RetireMarks",
     "RolloutTokenCapture",
     "RowCache",
     "StreamingUnsupportedError",
     "SystemClock",
+    "VerifyMode",
     "authorized",
     "build_report",
     "control_router",

@@ -68,6 +68,9 @@ PUBLIC = {
         "control_router", "error_response", "fsync_directory", "install_error_envelope",
         "ledger_control_router", "make_directory_durable", "participant_app",
         "read_participant_checkpoint", "rebuild_generation_cut", "write_file_durably",
+        "DEFAULT_ADMISSION_WAIT_SECONDS", "RESOURCES_MODES", "VERIFY_MODES",
+        "ResourcesAdmission", "ResourcesMode", "ResourcesParticipant", "ResourcesRoute",
+        "ResourcesSession", "ResourcesSessionHooks", "VerifyMode",
     ],
     "coordinator": [
         "LedgerClient",

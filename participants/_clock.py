@@ -110,12 +110,21 @@ async def run_until(
 
     Raises:
         DeadlineExceededError: The deadline came first; ``work`` was cancelled.
+        Exception: Whatever ``work()`` raised, as itself (not wrapped in an exception group).
     """
     outcome: list[T] = []
+    failure: list[Exception] = []
 
     async def capture() -> None:
-        outcome.append(await work())
+        # Caught here so a typed refusal (say retire_incomplete) keeps its class and its code
+        # instead of surfacing from the task group as an ExceptionGroup (an internal_error).
+        try:
+            outcome.append(await work())
+        except Exception as exc:
+            failure.append(exc)
 
     if not await wait_until(clock, deadline, capture):
         raise DeadlineExceededError(f"the deadline passed while waiting for {what}")
+    if failure:
+        raise failure[0]
     return outcome[0]

@@ -432,6 +432,10 @@ class ResourcesParticipant(BaseParticipant):
         for session in doomed:
             await self._free(session)
 
+    async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """New marks change who is admitted: wake whoever watches for that."""
+        self.changes.notify()
+
     async def forget(self, rollout_ids: Sequence[str]) -> None:
         """Refuse to drop the marks while a retired session of these rollouts is not freed.
 

@@ -34,13 +34,13 @@ from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
-from ._resources import (
+from ._resources import ResourcesParticipant
+from ._resources_types import (
     DEFAULT_ADMISSION_WAIT_SECONDS,
     RESOURCES_MODES,
     VERIFY_MODES,
     ResourcesAdmission,
     ResourcesMode,
-    ResourcesParticipant,
     ResourcesRoute,
     ResourcesSession,
     ResourcesSessionHooks,

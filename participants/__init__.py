@@ -36,6 +36,18 @@ from ._model import MODEL_FAULTS, ModelParticipant
 from ._model_gate import ModelTicket
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
+from ._resources import ResourcesParticipant
+from ._resources_types import (
+    DEFAULT_ADMISSION_WAIT_SECONDS,
+    RESOURCES_MODES,
+    VERIFY_MODES,
+    ResourcesAdmission,
+    ResourcesMode,
+    ResourcesRoute,
+    ResourcesSession,
+    ResourcesSessionHooks,
+    VerifyMode,
+)
 from ._runtime import ControlPlane, ControlSettings
 from ._staging_store import FileTokenStagingStore
 from ._storage import (
@@ -57,12 +69,15 @@ from ._worker_calls import (
 __all__ = [
     "CAPTURE_FILE_SUFFIXES",
     "CONTROL_EVENTS",
+    "DEFAULT_ADMISSION_WAIT_SECONDS",
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
     "LOCK_DIRECTORY",
     "MODEL_FAULTS",
+    "RESOURCES_MODES",
     "RETIRE_STEPS",
+    "VERIFY_MODES",
     "WRITE_STEPS",
     "ActiveCall",
     "BaseParticipant",
@@ -85,11 +100,18 @@ __all__ = [
     "ParticipantCheckpoint",
     "Record",
     "RecordsWriter",
+    "ResourcesAdmission",
+    "ResourcesMode",
+    "ResourcesParticipant",
+    "ResourcesRoute",
+    "ResourcesSession",
+    "ResourcesSessionHooks",
     "RetireMarks",
     "RolloutTokenCapture",
     "RowCache",
     "StreamingUnsupportedError",
     "SystemClock",
+    "VerifyMode",
     "authorized",
     "build_report",
     "control_router",

@@ -1,0 +1,239 @@
+"""The reference resources server: counter sessions that tools act on (e2e-contract §3, §4).
+
+Routes (besides the control routes, ``/healthz`` and ``/metrics``):
+
+- ``POST /ng-rollout/<key>/seed_session`` ``{"task_input"}`` → ``{"session_id"}``, with the
+  cookie ``ng_session`` and the headers ``x-ng-checkpoint-verify`` (and, on a restart-only
+  server, ``x-ng-checkpoint-restart: 1``);
+- ``POST /ng-rollout/<key>/tools/{add|mul|note}`` ``{"arg"}`` → ``{"value", "notes"}``;
+- ``POST /ng-rollout/<key>/verify`` → ``{"reward"}`` (ends the session);
+- ``POST /close_session`` → ``{}`` (never refused).
+
+Every one of them goes through :meth:`participants.ResourcesParticipant.admit`: while a checkpoint
+is open it waits for resume inside the server, then the admission rules apply.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Final, Literal
+
+import anyio
+from fastapi import Cookie, FastAPI, Response
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from participants import (
+    ControlPlane,
+    ResourcesMode,
+    ResourcesParticipant,
+    VerifyMode,
+    participant_app,
+)
+from protocols import EpisodeId, InvalidCheckpointStateError, InvalidRequestError
+
+from ._cmd_serve import ServeContext
+
+SESSION_COOKIE: Final = "ng_session"
+VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
+RESTART_HEADER: Final = "x-ng-checkpoint-restart"
+COUNTER_MODULUS: Final = 1_000_003
+TOOLS: Final = ("add", "mul", "note")
+
+ToolName = Literal["add", "mul", "note"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class TaskInput(_Strict):
+    """The counter task's input (e2e-contract §3)."""
+
+    activations: int = Field(default=2, ge=1, le=1000)
+    turns: int = Field(default=2, ge=1, le=1000)
+    max_tokens: int = Field(default=32, ge=1, le=4096)
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)
+
+
+class SeedSessionBody(_Strict):
+    """Body of ``seed_session``."""
+
+    task_input: TaskInput
+
+
+class SeedSessionReply(_Strict):
+    """Reply of ``seed_session``."""
+
+    session_id: str
+
+
+class ToolBody(_Strict):
+    """Body of a tool call."""
+
+    arg: int = Field(ge=0, lt=COUNTER_MODULUS)
+
+
+class ToolReply(_Strict):
+    """Reply of a tool call: the counter and how many notes it holds."""
+
+    value: int
+    notes: int
+
+
+class VerifyReply(_Strict):
+    """Reply of ``verify``."""
+
+    reward: float
+
+
+class CounterState(_Strict):
+    """One session's exported state."""
+
+    value: int = Field(ge=0, lt=COUNTER_MODULUS)
+    notes: list[Annotated[int, Field(ge=0, lt=COUNTER_MODULUS)]]
+
+
+@dataclass
+class _Counter:
+    value: int = 1
+    notes: list[int] = field(default_factory=list)
+
+    def apply(self, tool: ToolName, arg: int) -> None:
+        if tool == "add":
+            self.value = (self.value + arg) % COUNTER_MODULUS
+        elif tool == "mul":
+            self.value = (self.value * (arg + 1)) % COUNTER_MODULUS
+        else:
+            self.notes.append(arg)
+
+    def reward(self) -> float:
+        return ((self.value + 7 * sum(self.notes)) % 101) / 100
+
+
+class CounterSessions:
+    """The server's session state; the participant's :class:`ResourcesSessionHooks`."""
+
+    def __init__(self) -> None:
+        self.counters: dict[str, _Counter] = {}
+
+    def create(self) -> str:
+        """A new session at ``value = 1, notes = []``; returns its id."""
+        session_id = uuid.uuid4().hex
+        self.counters[session_id] = _Counter()
+        return session_id
+
+    async def export_session_states(self, session_ids: Sequence[str]) -> dict[str, Any]:
+        """``{"value", "notes"}`` of each session still held."""
+        return {
+            sid: {"value": self.counters[sid].value, "notes": list(self.counters[sid].notes)}
+            for sid in session_ids
+            if sid in self.counters
+        }
+
+    async def restore_session_states(self, states: Mapping[str, Any]) -> None:
+        """Validate every state, then install them all.
+
+        Raises:
+            InvalidCheckpointStateError: A state is not a counter; nothing was installed.
+        """
+        parsed: dict[str, CounterState] = {}
+        for sid, state in states.items():
+            try:
+                parsed[sid] = CounterState.model_validate(state)
+            except ValidationError as exc:
+                raise InvalidCheckpointStateError(f"session {sid!r}: {exc}") from None
+        for sid, counter in parsed.items():
+            self.counters[sid] = _Counter(counter.value, list(counter.notes))
+
+    async def retire_session_state(self, session_id: str) -> None:
+        """Drop one session (idempotent)."""
+        self.counters.pop(session_id, None)
+
+
+def _session_cookie(value: str | None) -> str:
+    if not value:
+        raise InvalidRequestError(f"the {SESSION_COOKIE} cookie is required")
+    return value
+
+
+def create_resources_app(
+    ctx: ServeContext,
+    *,
+    mode: ResourcesMode = "exported",
+    verify: VerifyMode = "wait",
+    verify_delay_ms: float = 0.0,
+) -> FastAPI:
+    """The resources server of ``ctx`` (its name is the participant's instance).
+
+    Args:
+        ctx: Name, tokens and run root.
+        mode: ``exported`` (the reference deployment), ``stateless`` or ``restart_only``.
+        verify: Announced to callers on every seed; ``replay`` verifies are not waited for.
+        verify_delay_ms: How long each verify takes (the slow-verify variant).
+
+    ``app.state.participant`` and ``app.state.plane`` give tests the participant and its plane.
+    """
+    counters = CounterSessions()
+    participant = ResourcesParticipant(ctx.name, counters, mode=mode, verify=verify)
+    plane = ControlPlane(participant)
+    app = participant_app(plane, token=ctx.control_token, title="midflight resources server")
+    app.state.participant = participant
+    app.state.plane = plane
+    app.state.counters = counters
+
+    @app.post("/ng-rollout/{capture_key}/seed_session", response_model=SeedSessionReply)
+    async def seed_session(
+        capture_key: str, body: SeedSessionBody, response: Response
+    ) -> SeedSessionReply:
+        """Start a counter session bound to the capture key."""
+        episode = EpisodeId.from_capture_key(capture_key)
+        async with participant.admit("seed", episode_id=episode, session_id=None):
+            session_id = counters.create()
+            await participant.bind_session(session_id, episode)
+        response.headers[VERIFY_HEADER] = verify
+        if mode == "restart_only":
+            response.headers[RESTART_HEADER] = "1"
+        response.set_cookie(SESSION_COOKIE, session_id, path="/")
+        return SeedSessionReply(session_id=session_id)
+
+    @app.post("/ng-rollout/{capture_key}/tools/{tool}", response_model=ToolReply)
+    async def call_tool(
+        capture_key: str,
+        tool: ToolName,
+        body: ToolBody,
+        ng_session: Annotated[str | None, Cookie()] = None,
+    ) -> ToolReply:
+        """Apply one tool to the session's counter."""
+        episode = EpisodeId.from_capture_key(capture_key)
+        session_id = _session_cookie(ng_session)
+        async with participant.admit("tool", episode_id=episode, session_id=session_id):
+            counter = counters.counters[session_id]
+            counter.apply(tool, body.arg)
+            return ToolReply(value=counter.value, notes=len(counter.notes))
+
+    @app.post("/ng-rollout/{capture_key}/verify", response_model=VerifyReply)
+    async def verify_session(
+        capture_key: str, ng_session: Annotated[str | None, Cookie()] = None
+    ) -> VerifyReply:
+        """The reward of the session's whole history; ends the session."""
+        episode = EpisodeId.from_capture_key(capture_key)
+        session_id = _session_cookie(ng_session)
+        async with participant.admit("verify", episode_id=episode, session_id=session_id) as ad:
+            if verify_delay_ms > 0:
+                await anyio.sleep(verify_delay_ms / 1000)
+            reward = counters.counters[session_id].reward()
+            await participant.end_session(ad)
+            return VerifyReply(reward=reward)
+
+    @app.post("/close_session")
+    async def close_session(
+        ng_session: Annotated[str | None, Cookie()] = None,
+    ) -> dict[str, Any]:
+        """End the session; never refused (an unknown session is already closed)."""
+        async with participant.admit("close", episode_id=None, session_id=ng_session) as ad:
+            await participant.end_session(ad)
+        return {}
+
+    return app

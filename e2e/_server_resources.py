@@ -33,7 +33,7 @@ from participants import (
 )
 from protocols import EpisodeId, InvalidCheckpointStateError, InvalidRequestError
 
-from ._cmd_serve import ServeContext
+from ._cmd_serve import ServeContext, control_settings
 
 SESSION_COOKIE: Final = "ng_session"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
@@ -177,7 +177,7 @@ def create_resources_app(
     """
     counters = CounterSessions()
     participant = ResourcesParticipant(ctx.name, counters, mode=mode, verify=verify)
-    plane = ControlPlane(participant)
+    plane = ControlPlane(participant, settings=control_settings())
     app = participant_app(plane, token=ctx.control_token, title="midflight resources server")
     app.state.participant = participant
     app.state.plane = plane

@@ -80,7 +80,8 @@ async def test_run_drives_the_peers_and_returns_the_result(tmp_path: Path) -> No
     ]
     assert [r["activation"] for r in log.seen("sessions/activate")] == ["1", "2", "1"]
     assert '"resources_session_id":"sess-r1"' in log.seen("sessions/seed")[0]["body"]
-    # Each episode sends its own session cookie, never another episode's.
+    # Each episode sends its own session cookie, never another episode's (nor a remembered one).
+    assert [r["cookie"] for r in log.seen("seed_session")] == [None, None]
     assert [r["cookie"] for r in log.seen("verify")] == ["ng_session=sess-r1", "ng_session=sess-r2"]
     assert [r["cookie"] for r in log.seen("close_session")] == [
         "ng_session=sess-r1",
@@ -128,3 +129,13 @@ async def test_a_peer_refusal_ends_the_episode_with_a_failure(tmp_path: Path) ->
     assert "result" not in body
     assert body["failure"]["code"] == "activation_out_of_order"
     assert log.seen("verify") == []
+
+
+async def test_a_task_input_takes_the_contract_defaults(tmp_path: Path) -> None:
+    log = PeerLog()
+    async with environment_server(tmp_path, log) as client:
+        body = run_body("r1")
+        body["task"]["task_input"] = {}
+        reply = await client.post("/run", json=body)
+    assert reply.json()["result"]["model_calls"] == 4  # A = 2, T = 2
+    assert '"max_tokens":32' in log.seen("seed_session")[0]["body"]

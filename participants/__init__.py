@@ -12,6 +12,14 @@ the capture ledger (file-backed and in-memory) with its control routes.
 
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
+from ._environment import (
+    EnvironmentParticipant,
+    EnvironmentPeers,
+    EnvironmentRecord,
+    EpisodeOutcome,
+    SeededSession,
+)
+from ._episode_steps import EpisodeSteps, TrackedEpisode
 from ._http import (
     authorized,
     control_router,
@@ -88,6 +96,11 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "ControlTelemetry",
+    "EnvironmentParticipant",
+    "EnvironmentPeers",
+    "EnvironmentRecord",
+    "EpisodeOutcome",
+    "EpisodeSteps",
     "FileCaptureLedger",
     "FileTokenStagingStore",
     "Job",
@@ -109,8 +122,10 @@ __all__ = [
     "RetireMarks",
     "RolloutTokenCapture",
     "RowCache",
+    "SeededSession",
     "StreamingUnsupportedError",
     "SystemClock",
+    "TrackedEpisode",
     "VerifyMode",
     "authorized",
     "build_report",

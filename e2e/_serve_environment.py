@@ -1,0 +1,30 @@
+"""``midflight serve environment``: the environment server (``/run``)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from ._cluster import DEFAULT_NAMES, DEFAULT_PORTS
+from ._cmd_serve import ServeOptions, run_server, serve_options_from
+from ._server_environment import create_environment_app
+
+
+def register(serve_app: typer.Typer) -> None:
+    """Add ``environment`` to the ``serve`` sub-app."""
+
+    @serve_app.command("environment")
+    def serve_environment(
+        port: Annotated[int, typer.Option(min=0, max=65535, help="0 picks a free port.")] = (
+            DEFAULT_PORTS["environment"]
+        ),
+        name: Annotated[str, typer.Option(help="The server's name (its instance).")] = (
+            DEFAULT_NAMES["environment"]
+        ),
+        cluster: ServeOptions.Cluster = None,
+        root: ServeOptions.Root = None,
+    ) -> None:
+        """The environment server (default port 8705): episodes via the agent and resources."""
+        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        run_server(create_environment_app(options), options)

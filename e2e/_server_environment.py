@@ -1,0 +1,214 @@
+"""The environment server of the reference deployment: ``POST /run`` (e2e-contract §3, §4).
+
+The episode logic lives in :class:`participants.EnvironmentParticipant`; this module adds the wire
+model of ``/run`` and the HTTP clients to the agent and resources servers. A ``/run`` of a retired
+or fenced attempt gets ``409 stale_attempt``; while a checkpoint is open a new one gets
+``409 admission_closed``; a key already running, or a restored key sent with another task, gets
+``409 checkpoint_error``. A peer's refusal ends the episode with a ``failure`` body (HTTP 200).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from http.cookiejar import CookieJar, DefaultCookiePolicy
+from typing import Any, Final
+
+import httpx
+from fastapi import FastAPI
+from pydantic import BaseModel, ConfigDict, Field
+
+from participants import ControlPlane, EnvironmentParticipant, SeededSession, participant_app
+from protocols import EpisodeId, error_from_envelope
+
+from ._cmd_serve import ServeContext, control_settings
+
+ACTIVATION_HEADER: Final = "x-ng-agent-activation"
+VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
+RESTART_HEADER: Final = "x-ng-checkpoint-restart"
+SESSION_COOKIE: Final = "ng_session"
+HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
+"""Agent activations may be held through a checkpoint: read for up to 900 s."""
+PLAIN_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=60.0, write=60.0, pool=60.0)
+
+
+class TaskId(BaseModel):
+    """``{"taskset", "task_id"}``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    taskset: str = Field(min_length=1, max_length=200)
+    task_id: str = Field(min_length=1, max_length=200)
+
+
+class TaskInput(BaseModel):
+    """The counter task: ``activations`` activations of ``turns`` turns of ``max_tokens`` tokens."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    activations: int = Field(default=2, ge=0, le=1000)
+    turns: int = Field(default=2, ge=1, le=1000)
+    max_tokens: int = Field(default=32, ge=1, le=65536)
+    seed: int = Field(default=0, ge=0, le=2**64 - 1)
+
+
+class Task(BaseModel):
+    """One task of the counter task set."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    task_id: TaskId
+    task_input: TaskInput
+
+
+class RunRequest(BaseModel):
+    """Body of ``POST /run``."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    episode_id: EpisodeId
+    task: Task
+
+
+def _no_cookie_jar() -> CookieJar:
+    # One client serves every episode: a shared jar would send one episode's session to another.
+    return CookieJar(policy=DefaultCookiePolicy(allowed_domains=[]))
+
+
+def _raise_for_refusal(reply: httpx.Response, what: str) -> Any:
+    try:
+        body = reply.json()
+    except ValueError:
+        body = None
+    if reply.status_code != 200:
+        raise error_from_envelope(reply.status_code, body)
+    if not isinstance(body, dict):
+        raise ValueError(f"{what} answered a body that is not a JSON object: {reply.text[:200]!r}")
+    return body
+
+
+class HttpEnvironmentPeers:
+    """The agent and resources servers over HTTP.
+
+    Args:
+        agent: A client whose base URL is the agent server.
+        resources: A client whose base URL is the resources server.
+    """
+
+    def __init__(self, agent: httpx.AsyncClient, resources: httpx.AsyncClient) -> None:
+        self.agent = agent
+        self.resources = resources
+
+    async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
+        """``POST /ng-rollout/<key>/seed_session``; notes the verify mode and restart flag."""
+        reply = await self.resources.post(
+            f"/ng-rollout/{key}/seed_session", json={"task_input": task_input}
+        )
+        body = _raise_for_refusal(reply, "resources seed_session")
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError(f"resources seed_session gave no session id: {body!r}")
+        verify = reply.headers.get(VERIFY_HEADER, "wait").strip().lower()
+        return SeededSession(
+            session_id=session_id,
+            verify="replay" if verify == "replay" else "wait",
+            restart=reply.headers.get(RESTART_HEADER, "").strip() == "1",
+        )
+
+    async def seed_agent(
+        self, key: str, resources_session_id: str, task_input: dict[str, Any]
+    ) -> None:
+        """``POST /ng-rollout/<key>/sessions/seed``."""
+        reply = await self.agent.post(
+            f"/ng-rollout/{key}/sessions/seed",
+            json={"resources_session_id": resources_session_id, "task_input": task_input},
+        )
+        _raise_for_refusal(reply, "agent sessions/seed")
+
+    async def activate(self, key: str, activation: int) -> dict[str, Any]:
+        """``POST /ng-rollout/<key>/sessions/activate`` with the activation index header."""
+        reply = await self.agent.post(
+            f"/ng-rollout/{key}/sessions/activate",
+            headers={ACTIVATION_HEADER: str(activation)},
+            timeout=HELD_CALL_TIMEOUT,
+        )
+        result: dict[str, Any] = _raise_for_refusal(reply, "agent sessions/activate")
+        return result
+
+    async def verify(self, key: str, resources_session_id: str) -> float:
+        """``POST /ng-rollout/<key>/verify`` with the session cookie; the reward."""
+        reply = await self.resources.post(
+            f"/ng-rollout/{key}/verify",
+            headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
+        )
+        body = _raise_for_refusal(reply, "resources verify")
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise ValueError(f"resources verify gave no reward: {body!r}")
+        return float(reward)
+
+    async def close(self, key: str, resources_session_id: str | None) -> None:
+        """Close the agent session, then the resources session (never refused)."""
+        reply = await self.agent.post(f"/ng-rollout/{key}/sessions/close")
+        _raise_for_refusal(reply, "agent sessions/close")
+        if resources_session_id is not None:
+            reply = await self.resources.post(
+                "/close_session", headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"}
+            )
+            _raise_for_refusal(reply, "resources close_session")
+
+
+def create_environment_app(
+    ctx: ServeContext,
+    *,
+    agent_transport: httpx.AsyncBaseTransport | None = None,
+    resources_transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """The environment server: control routes, ``/healthz``, ``/metrics`` and ``/run``.
+
+    Args:
+        ctx: Name, peers and tokens of the server.
+        agent_transport: How to reach the agent (tests pass an in-process transport).
+        resources_transport: How to reach the resources server (likewise).
+    """
+    agent = httpx.AsyncClient(
+        base_url=ctx.peer_url("agent"),
+        timeout=PLAIN_CALL_TIMEOUT,
+        transport=agent_transport,
+        cookies=_no_cookie_jar(),
+    )
+    resources = httpx.AsyncClient(
+        base_url=ctx.peer_url("resources"),
+        timeout=PLAIN_CALL_TIMEOUT,
+        transport=resources_transport,
+        cookies=_no_cookie_jar(),
+    )
+    participant = EnvironmentParticipant(ctx.name, HttpEnvironmentPeers(agent, resources))
+    plane = ControlPlane(participant, settings=control_settings())
+
+    @asynccontextmanager
+    async def episodes(_app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            await stack.enter_async_context(agent)
+            await stack.enter_async_context(resources)
+            await stack.enter_async_context(participant.serving())
+            yield
+
+    app = participant_app(
+        plane, token=ctx.control_token, title="midflight environment server", lifespan=episodes
+    )
+    app.state.participant = participant
+    app.state.plane = plane
+
+    @app.post("/run", tags=["episodes"])
+    async def run(body: RunRequest) -> dict[str, Any]:
+        """Run one episode (or continue its restored boundary) and return its result."""
+        task = body.task.model_dump(mode="json")
+        outcome = await participant.run(body.episode_id, task)
+        reply: dict[str, Any] = {
+            "episode_id": body.episode_id.model_dump(),
+            "task_id": task["task_id"],
+        }
+        if outcome.result is not None:
+            reply["result"] = outcome.result
+        else:
+            reply["failure"] = outcome.failure
+        return reply
+
+    return app

@@ -1,0 +1,413 @@
+"""The environment participant (kind ``environment``): episodes driven seed → activations → verify.
+
+``EnvironmentParticipant.run`` drives one episode of the reference deployment (e2e-contract §3):
+seed the resources session and open the agent session (a replay step), invoke the agent once per
+activation (replay steps carrying the activation index), verify in the mode the resources server
+announced, and return. A boundary is recorded after every step; while a checkpoint is open the
+episode parks there. A checkpoint exports ``{"episode_id", "task_digest", "boundary"}`` per episode;
+a restore keeps each record under its replacement attempt until ``run`` continues it from that
+boundary. The peers are reached through :class:`EnvironmentPeers`, so the episode logic does not
+depend on HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal, Protocol, TypedDict
+
+import anyio
+import structlog
+from anyio.abc import TaskGroup
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from protocols import (
+    AdmissionClosedError,
+    CheckpointError,
+    CheckpointRequest,
+    EpisodeId,
+    InvalidCheckpointStateError,
+    MidflightError,
+    ParticipantKind,
+    PrepareReport,
+    StaleAttemptError,
+    task_digest,
+)
+
+from ._episode_steps import EpisodeSteps, StepMode, TrackedEpisode
+from ._participant import BaseParticipant, Record
+from ._report import build_report
+
+_log = structlog.get_logger("midflight.environment")
+
+VerifyMode = Literal["wait", "replay"]
+
+
+class _Boundary(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    resources_session_id: str = Field(min_length=1, max_length=200)
+    verify: VerifyMode
+
+
+class InvokeAgentBoundary(_Boundary):
+    """Next: activation ``activation`` of the agent session."""
+
+    next: Literal["invoke_agent"]
+    activation: int = Field(ge=1)
+
+
+class VerifyBoundary(_Boundary):
+    """Next: verify the resources session."""
+
+    next: Literal["verify"]
+
+
+class ReturnBoundary(_Boundary):
+    """Next: return ``reward``."""
+
+    next: Literal["return"]
+    reward: float = Field(strict=False, allow_inf_nan=False)
+
+
+class _Common(TypedDict):
+    resources_session_id: str
+    verify: VerifyMode
+
+
+Boundary = Annotated[
+    InvokeAgentBoundary | VerifyBoundary | ReturnBoundary, Field(discriminator="next")
+]
+_BOUNDARY: TypeAdapter[Boundary] = TypeAdapter(Boundary)
+
+
+class EnvironmentRecord(BaseModel):
+    """One exported episode: its attempt, the digest of its task, its latest boundary."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    episode_id: EpisodeId
+    task_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
+    boundary: Boundary | None
+
+
+@dataclass(frozen=True)
+class SeededSession:
+    """What the resources server answered to a seed.
+
+    Attributes:
+        session_id: The resources session of the episode.
+        verify: The mode the server announced for ``verify``.
+        restart: The server cannot capture its part (``x-ng-checkpoint-restart: 1``).
+    """
+
+    session_id: str
+    verify: VerifyMode
+    restart: bool = False
+
+
+class EnvironmentPeers(Protocol):
+    """The agent and resources servers, as the episode driver calls them.
+
+    Every method raises a ``MidflightError`` for a refusal and any other exception when the peer
+    cannot be reached; ``key`` is the capture key of the attempt.
+    """
+
+    async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
+        """Start the resources session of the episode."""
+        ...
+
+    async def seed_agent(
+        self, key: str, resources_session_id: str, task_input: dict[str, Any]
+    ) -> None:
+        """Open the agent session of the episode (session key = ``key``)."""
+        ...
+
+    async def activate(self, key: str, activation: int) -> dict[str, Any]:
+        """Run activation ``activation`` of the agent session; its reply."""
+        ...
+
+    async def verify(self, key: str, resources_session_id: str) -> float:
+        """Verify the resources session; the reward."""
+        ...
+
+    async def close(self, key: str, resources_session_id: str | None) -> None:
+        """Free the episode's agent and resources sessions."""
+        ...
+
+
+@dataclass(frozen=True)
+class EpisodeOutcome:
+    """How one ``run`` ended: ``result`` or ``failure`` (``{"code", "detail"}``)."""
+
+    result: dict[str, Any] | None = None
+    failure: dict[str, str] | None = None
+
+
+class EnvironmentParticipant(BaseParticipant):
+    """Environment episodes with boundaries, parking, export and restore (control-plane §4.1).
+
+    Use ``async with participant.serving():`` around serving: the episodes run in its task
+    group, so an episode keeps going when the caller of ``run`` goes away.
+
+    Args:
+        instance: The server's name.
+        peers: The agent and resources servers.
+    """
+
+    kind: ParticipantKind = "environment"
+
+    def __init__(self, instance: str, peers: EnvironmentPeers) -> None:
+        super().__init__()
+        self.instance = instance
+        self.peers = peers
+        self.steps = EpisodeSteps(self.changes)
+        self.digests: dict[str, str] = {}
+        self.restored: dict[str, EnvironmentRecord] = {}
+        self.awaiting_resume = False
+        self.served = False
+        self._task_group: TaskGroup | None = None
+
+    @asynccontextmanager
+    async def serving(self) -> AsyncIterator[EnvironmentParticipant]:
+        """Run episodes for as long as the block lasts; cancel what is left at the end."""
+        async with anyio.create_task_group() as group:
+            self._task_group = group
+            try:
+                yield self
+            finally:
+                self._task_group = None
+                group.cancel_scope.cancel()
+
+    # ------------------------------------------------------------------ data plane
+
+    async def run(self, episode_id: EpisodeId, task: dict[str, Any]) -> EpisodeOutcome:
+        """Run (or continue, after a restore) one episode and wait for its outcome.
+
+        Raises:
+            StaleAttemptError: The attempt is retired or fenced, or was retired while running.
+            AdmissionClosedError: A checkpoint is open (a restored replacement is admitted once
+                the resume that follows its restore has happened).
+            CheckpointError: The restored record was taken for another task, or the key runs.
+        """
+        episode, continued = self._begin(episode_id, task)
+        outcome: list[EpisodeOutcome] = []
+        if self._task_group is None:
+            raise RuntimeError("the environment is not serving: use `async with serving()`")
+        self._task_group.start_soon(self._drive, episode_id, task, episode, continued, outcome)
+        await episode.stopped.wait()
+        if not outcome:
+            raise StaleAttemptError(f"{episode_id.capture_key} was retired while running")
+        return outcome[0]
+
+    def _begin(
+        self, episode_id: EpisodeId, task: dict[str, Any]
+    ) -> tuple[TrackedEpisode, EnvironmentRecord | None]:
+        self.marks.check(episode_id)
+        key = episode_id.capture_key
+        restored = self.restored.get(key)
+        if not self.steps.accepting and (restored is None or self.awaiting_resume):
+            raise AdmissionClosedError("a checkpoint is open; send the same attempt after resume")
+        digest = task_digest(task)
+        if restored is not None and restored.task_digest != digest:
+            raise CheckpointError(f"{key} continues a checkpoint recorded for a different task")
+        if key in self.steps.episodes:
+            raise CheckpointError(f"{key} is already running")
+        self.restored.pop(key, None)
+        self.served = True
+        self.digests[key] = digest
+        boundary = None
+        if restored is not None and restored.boundary is not None:
+            boundary = restored.boundary.model_dump()
+        return self.steps.begin(key, boundary), restored
+
+    async def _drive(
+        self,
+        episode_id: EpisodeId,
+        task: dict[str, Any],
+        episode: TrackedEpisode,
+        restored: EnvironmentRecord | None,
+        outcome: list[EpisodeOutcome],
+    ) -> None:
+        key = episode_id.capture_key
+        session_id: str | None = None
+        try:
+            with episode.scope:
+                try:
+                    if restored is not None and restored.boundary is not None:
+                        session_id = restored.boundary.resources_session_id
+                        await self.steps.boundary(episode, episode.boundary)  # parks if closed
+                    else:
+                        session_id = await self._seed(episode, key, task)
+                    reward = await self._advance(episode, key, task)
+                    result = {
+                        "reward": reward,
+                        "model_calls": _calls(task),
+                        "tool_calls": _calls(task),
+                    }
+                    outcome.append(EpisodeOutcome(result=result))
+                except Exception as exc:  # a peer refused or failed: the episode ends with it
+                    # No episode finishes while a checkpoint is open: it parks at its last
+                    # boundary (None after a failed replay step) and reports after the resume.
+                    await self.steps.boundary(episode, episode.boundary)
+                    code = exc.code if isinstance(exc, MidflightError) else "internal_error"
+                    outcome.append(EpisodeOutcome(failure={"code": code, "detail": str(exc)}))
+                self.steps.finishing(episode)
+                await self._close_quietly(key, session_id)
+        finally:
+            self.digests.pop(key, None)
+            self.steps.end(episode)
+
+    async def _seed(self, episode: TrackedEpisode, key: str, task: dict[str, Any]) -> str:
+        task_input = task["task_input"]
+        async with self.steps.step(episode, "replay"):
+            seeded = await self.peers.seed_resources(key, task_input)
+            if seeded.restart:
+                await self.steps.mark_restart(episode)
+            await self.peers.seed_agent(key, seeded.session_id, task_input)
+        first: Boundary
+        if int(task_input["activations"]) >= 1:
+            first = InvokeAgentBoundary(
+                next="invoke_agent",
+                activation=1,
+                resources_session_id=seeded.session_id,
+                verify=seeded.verify,
+            )
+        else:
+            first = VerifyBoundary(
+                next="verify", resources_session_id=seeded.session_id, verify=seeded.verify
+            )
+        await self.steps.boundary(episode, first.model_dump())
+        return seeded.session_id
+
+    async def _advance(self, episode: TrackedEpisode, key: str, task: dict[str, Any]) -> float:
+        activations = int(task["task_input"]["activations"])
+        while True:
+            boundary = _BOUNDARY.validate_python(episode.boundary)
+            following: Boundary
+            common: _Common = {
+                "resources_session_id": boundary.resources_session_id,
+                "verify": boundary.verify,
+            }
+            if isinstance(boundary, ReturnBoundary):
+                return boundary.reward
+            if isinstance(boundary, InvokeAgentBoundary):
+                async with self.steps.step(episode, "replay"):
+                    await self.peers.activate(key, boundary.activation)
+                if boundary.activation < activations:
+                    following = InvokeAgentBoundary(
+                        next="invoke_agent", activation=boundary.activation + 1, **common
+                    )
+                else:
+                    following = VerifyBoundary(next="verify", **common)
+            else:
+                mode: StepMode = boundary.verify
+                async with self.steps.step(episode, mode):
+                    reward = await self.peers.verify(key, boundary.resources_session_id)
+                following = ReturnBoundary(next="return", reward=reward, **common)
+            await self.steps.boundary(episode, following.model_dump())
+
+    async def _close_quietly(self, key: str, session_id: str | None) -> None:
+        # Clean-up only: a refusal (say, the peer already freed the session) changes nothing.
+        try:
+            await self.peers.close(key, session_id)
+        except Exception as exc:  # the peers free sessions on retire too
+            _log.warning("episode_close_failed", episode=key, error=repr(exc)[:300])
+
+    # ------------------------------------------------------------------ participant interface
+
+    async def close_admission(self, request: CheckpointRequest) -> None:
+        """Close admission: new ``/run``s are refused, episodes park at their next boundary."""
+        self.steps.close()
+
+    async def open_admission(self) -> None:
+        """Reopen: parked episodes continue, and restored replacements are admitted."""
+        self.awaiting_resume = False
+        self.steps.open()
+
+    def readiness(self) -> PrepareReport:
+        """Blockers: retired episodes still stopping, and episodes running or in a wait step."""
+        return build_report(
+            self.steps.blockers(),
+            counts={"episodes": len(self.steps.episodes)},
+            restarts=self.steps.restarts(),
+        )
+
+    def ready(self) -> bool:
+        """Whether nothing blocks a safe cut."""
+        return not any(episode.blocks for episode in self.steps.episodes.values())
+
+    async def export(self, episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
+        """Parked and replay-step episodes, then restored records whose replacement is in scope."""
+        wanted = None if episode_ids is None else {e.capture_key for e in episode_ids}
+        records: list[Record] = []
+        for key, episode in sorted(self.steps.episodes.items()):
+            if episode.exportable and (wanted is None or key in wanted):
+                records.append(
+                    {
+                        "episode_id": EpisodeId.from_capture_key(key).model_dump(),
+                        "task_digest": self.digests[key],
+                        "boundary": episode.boundary,
+                    }
+                )
+        for key, record in sorted(self.restored.items()):
+            if wanted is None or key in wanted:
+                records.append(record.model_dump(mode="json"))
+        return records
+
+    async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
+        """Validate every record, then keep each under its replacement attempt.
+
+        Raises:
+            CheckpointError: The process has live episodes or restored records.
+            InvalidCheckpointStateError: A record is malformed; nothing is installed.
+        """
+        if self.steps.episodes or self.restored:
+            raise CheckpointError("restore requires a process without live episodes")
+        replacements: dict[str, EnvironmentRecord] = {}
+        for index, raw in enumerate(records):
+            try:
+                record = EnvironmentRecord.model_validate(raw)
+            except ValidationError as exc:
+                raise InvalidCheckpointStateError(
+                    f"environment record {index} is malformed: {exc.errors()[:3]}"
+                ) from exc
+            replacement = record.episode_id.next_attempt()
+            replacements[replacement.capture_key] = record.model_copy(
+                update={"episode_id": replacement}
+            )
+        self.restored = replacements
+        self.awaiting_resume = True
+        self.changes.notify()
+
+    def served_live_work(self) -> bool:
+        """Whether any ``run`` was admitted in this process."""
+        return self.served
+
+    def restored_pending(self) -> list[EpisodeId]:
+        """Replacement attempts restored here and not yet run."""
+        return [EpisodeId.from_capture_key(key) for key in sorted(self.restored)]
+
+    async def delete_restored(self, episode_id: EpisodeId) -> None:
+        """Drop the restored record of ``episode_id`` (no refusal mark)."""
+        self.restored.pop(episode_id.capture_key, None)
+        self.changes.notify()
+
+    async def retire(self, episode_id: EpisodeId) -> None:
+        """Stop every tracked attempt ``episode_id`` covers, wait, then free it and its records."""
+        for key, episode in list(self.steps.episodes.items()):
+            if episode_id.covers(EpisodeId.from_capture_key(key)):
+                await self.steps.stop(episode)
+                self.digests.pop(key, None)
+        for key in list(self.restored):
+            if episode_id.covers(EpisodeId.from_capture_key(key)):
+                del self.restored[key]
+        self.changes.notify()
+
+    def status_extra(self) -> dict[str, Any]:
+        """``restored_pending``: the replacement keys still waiting for their ``run``."""
+        return {"restored_pending": sorted(self.restored)}
+
+
+def _calls(task: dict[str, Any]) -> int:
+    task_input = task["task_input"]
+    return int(task_input["activations"]) * int(task_input["turns"])

@@ -1,0 +1,373 @@
+"""The environment participant: episodes, boundaries, parking, export, restore and retire."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+
+from participants import ControlPlane, EnvironmentParticipant, EpisodeOutcome
+from protocols import (
+    AdmissionClosedError,
+    CheckpointError,
+    CheckpointRequest,
+    CommitRequest,
+    EpisodeId,
+    InvalidCheckpointStateError,
+    Phase,
+    RestoreRequest,
+    RetireRequest,
+    StaleAttemptError,
+    task_digest,
+)
+
+from .environment_fakes import ScriptedPeers
+
+pytestmark = pytest.mark.anyio
+
+
+def task(rollout_id: str = "r1", activations: int = 2) -> dict[str, Any]:
+    return {
+        "task_id": {"taskset": "counter", "task_id": rollout_id},
+        "task_input": {"activations": activations, "turns": 2, "max_tokens": 32, "seed": 0},
+    }
+
+
+def ep(key: str) -> EpisodeId:
+    return EpisodeId.from_capture_key(key)
+
+
+def soon(seconds: float = 30.0) -> float:
+    return time.time() + seconds
+
+
+@dataclass
+class Env:
+    participant: EnvironmentParticipant
+    plane: ControlPlane
+    peers: ScriptedPeers
+    group: TaskGroup
+    root: Path
+    outcomes: dict[str, Any] = field(default_factory=dict)
+    done: dict[str, anyio.Event] = field(default_factory=dict)
+
+    def start(self, key: str, the_task: dict[str, Any] | None = None) -> None:
+        """Run ``key`` in the background; its outcome (or refusal) lands in ``outcomes``."""
+        self.done[key] = anyio.Event()
+
+        async def run() -> None:
+            try:
+                self.outcomes[key] = await self.participant.run(ep(key), the_task or task())
+            except Exception as exc:
+                self.outcomes[key] = exc
+            self.done[key].set()
+
+        self.group.start_soon(run)
+
+    async def outcome(self, key: str) -> Any:
+        with anyio.fail_after(10):
+            await self.done[key].wait()
+        return self.outcomes[key]
+
+    async def prepare(self, cid: str, seconds: float = 30.0) -> Phase:
+        reply = await self.plane.prepare(
+            CheckpointRequest(checkpoint_id=cid, deadline_ts=soon(seconds))
+        )
+        return reply.phase
+
+    async def commit(self, cid: str, scope: list[str] | None) -> list[dict[str, Any]]:
+        episode_ids = None if scope is None else [ep(k) for k in scope]
+        await self.plane.commit(
+            CommitRequest(
+                checkpoint_id=cid,
+                deadline_ts=soon(),
+                checkpoint_dir=str(self.root / cid),
+                episode_ids=episode_ids,
+            )
+        )
+        return await self.participant.export(episode_ids)
+
+    async def resume(self, cid: str) -> None:
+        await self.plane.resume(CheckpointRequest(checkpoint_id=cid, deadline_ts=soon()))
+
+
+@asynccontextmanager
+async def environment(root: Path, peers: ScriptedPeers | None = None) -> AsyncIterator[Env]:
+    scripted = peers or ScriptedPeers()
+    participant = EnvironmentParticipant("environment", scripted)
+    plane = ControlPlane(participant)
+    async with plane.running(), participant.serving(), anyio.create_task_group() as group:
+        yield Env(participant, plane, scripted, group, root)
+        group.cancel_scope.cancel()
+
+
+async def settle() -> None:
+    await anyio.wait_all_tasks_blocked()
+
+
+async def test_an_episode_seeds_runs_each_activation_verifies_and_returns(tmp_path: Path) -> None:
+    async with environment(tmp_path) as env:
+        env.start("r1")
+        outcome = await env.outcome("r1")
+    assert outcome == EpisodeOutcome(result={"reward": 0.42, "model_calls": 4, "tool_calls": 4})
+    assert env.peers.calls == [
+        ("seed_resources", "r1", task()["task_input"]),
+        ("seed_agent", "r1", "s1"),
+        ("activate", "r1", 1),
+        ("activate", "r1", 2),
+        ("verify", "r1", "s1"),
+        ("close", "r1", "s1"),
+    ]
+    assert env.participant.steps.episodes == {}
+
+
+async def test_a_new_run_is_refused_while_a_checkpoint_is_open(tmp_path: Path) -> None:
+    async with environment(tmp_path) as env:
+        assert await env.prepare("c1") is Phase.PREPARED
+        with pytest.raises(AdmissionClosedError):
+            await env.participant.run(ep("r1"), task())
+        await env.resume("c1")
+        env.start("r1")
+        assert (await env.outcome("r1")).result is not None
+
+
+async def test_a_replay_step_does_not_block_prepare_and_parks_at_its_next_boundary(
+    tmp_path: Path,
+) -> None:
+    async with environment(tmp_path) as env:
+        env.peers.hold("activate")
+        env.start("r1")
+        await env.peers.entered["activate"].wait()
+        assert await env.prepare("c1") is Phase.PREPARED
+        (record,) = await env.commit("c1", ["r1"])
+        assert record["boundary"]["next"] == "invoke_agent"
+        assert record["boundary"]["activation"] == 1
+        assert record["task_digest"] == task_digest(task())
+        env.peers.release("activate")
+        await settle()
+        # The activation returned while closed: the episode parks at the next boundary.
+        assert env.participant.steps.episodes["r1"].state == "parked"
+        assert env.participant.steps.episodes["r1"].boundary["activation"] == 2  # type: ignore[index]
+        assert env.peers.names().count("activate") == 1
+        await env.resume("c1")
+        assert (await env.outcome("r1")).result is not None
+        assert env.peers.names().count("activate") == 2
+
+
+async def test_a_wait_step_blocks_prepare_until_it_has_finished(tmp_path: Path) -> None:
+    async with environment(tmp_path, ScriptedPeers(verify_mode="wait")) as env:
+        env.peers.hold("verify")
+        env.start("r1")
+        await env.peers.entered["verify"].wait()
+        assert await env.prepare("c1", seconds=0.2) is Phase.PREPARING
+        assert env.participant.readiness().blockers == ["r1"]
+        env.peers.release("verify")
+        assert await env.prepare("c1") is Phase.PREPARED
+        (record,) = await env.commit("c1", ["r1"])
+        assert record["boundary"]["next"] == "return"
+        assert record["boundary"]["reward"] == 0.42
+        await env.resume("c1")
+        assert (await env.outcome("r1")).result["reward"] == 0.42
+
+
+async def test_a_replay_verify_does_not_block_prepare(tmp_path: Path) -> None:
+    async with environment(tmp_path, ScriptedPeers(verify_mode="replay")) as env:
+        env.peers.hold("verify")
+        env.start("r1")
+        await env.peers.entered["verify"].wait()
+        assert await env.prepare("c1") is Phase.PREPARED
+        (record,) = await env.commit("c1", ["r1"])
+        assert record["boundary"]["next"] == "verify"
+        env.peers.release("verify")
+        await env.resume("c1")
+        assert (await env.outcome("r1")).result is not None
+
+
+async def test_an_episode_in_its_first_replay_step_is_exported_without_a_boundary(
+    tmp_path: Path,
+) -> None:
+    async with environment(tmp_path) as env:
+        env.peers.hold("seed_agent")
+        env.start("r1")
+        await env.peers.entered["seed_agent"].wait()
+        assert await env.prepare("c1") is Phase.PREPARED
+        (record,) = await env.commit("c1", None)
+        assert record["boundary"] is None
+        env.peers.release("seed_agent")
+        await env.resume("c1")
+        await env.outcome("r1")
+
+
+async def _checkpoint_mid_activation(env: Env) -> None:
+    env.peers.hold("activate")
+    env.start("r1")
+    await env.peers.entered["activate"].wait()
+    env.peers.release("activate")
+    env.peers.hold("activate")  # the second activation is in flight at the checkpoint
+    await env.peers.entered["activate"].wait()
+    assert await env.prepare("c1") is Phase.PREPARED
+    await env.commit("c1", ["r1"])
+
+
+async def test_a_restored_episode_continues_from_its_boundary_as_the_next_attempt(
+    tmp_path: Path,
+) -> None:
+    async with environment(tmp_path) as first:
+        await _checkpoint_mid_activation(first)
+    fresh = ScriptedPeers()
+    async with environment(tmp_path, fresh) as second:
+        reply = await second.plane.restore(
+            RestoreRequest(
+                checkpoint_id="r-1",
+                deadline_ts=soon(),
+                checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")],
+            )
+        )
+        assert reply.restored == ["r1-a1"]
+        # Only after the resume that follows the restore; the crashed attempt is fenced.
+        with pytest.raises(AdmissionClosedError):
+            await second.participant.run(ep("r1-a1"), task())
+        await second.resume("r-1")
+        with pytest.raises(StaleAttemptError):
+            await second.participant.run(ep("r1"), task())
+        second.start("r1-a1")
+        outcome = await second.outcome("r1-a1")
+    assert outcome.result == {"reward": 0.42, "model_calls": 4, "tool_calls": 4}
+    # No re-seed; the new capture key; the resources session from the boundary.
+    assert fresh.calls == [
+        ("activate", "r1-a1", 2),
+        ("verify", "r1-a1", "s1"),
+        ("close", "r1-a1", "s1"),
+    ]
+
+
+async def test_restored_records_are_carried_into_a_later_commit_only_when_in_scope(
+    tmp_path: Path,
+) -> None:
+    async with environment(tmp_path) as first:
+        await _checkpoint_mid_activation(first)
+    async with environment(tmp_path) as second:
+        await second.plane.restore(
+            RestoreRequest(
+                checkpoint_id="r-1",
+                deadline_ts=soon(),
+                checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")],
+            )
+        )
+        await second.resume("r-1")
+        assert await second.prepare("c2") is Phase.PREPARED
+        (record,) = await second.commit("c2", ["r1-a1"])
+        assert record["episode_id"] == {"rollout_id": "r1", "attempt": 1}
+        assert record["boundary"]["activation"] == 2
+        await second.resume("c2")
+        assert await second.prepare("c3") is Phase.PREPARED
+        assert await second.commit("c3", ["other"]) == []
+        assert second.participant.restored_pending() == []  # deleted: left out of the scope
+
+
+async def test_a_restored_key_sent_with_another_task_is_refused(tmp_path: Path) -> None:
+    async with environment(tmp_path) as first:
+        await _checkpoint_mid_activation(first)
+    async with environment(tmp_path) as second:
+        await second.plane.restore(
+            RestoreRequest(
+                checkpoint_id="r-1",
+                deadline_ts=soon(),
+                checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")],
+            )
+        )
+        await second.resume("r-1")
+        with pytest.raises(CheckpointError, match="different task"):
+            await second.participant.run(ep("r1-a1"), task(activations=3))
+        assert second.participant.restored_pending() == [ep("r1-a1")]
+        assert second.peers.calls == []
+
+
+async def test_retire_cancels_a_running_episode_and_refuses_it_afterwards(tmp_path: Path) -> None:
+    async with environment(tmp_path) as env:
+        env.peers.hold("activate")
+        env.start("r1")
+        await env.peers.entered["activate"].wait()
+        await env.plane.retire(
+            RetireRequest(checkpoint_id="retire", deadline_ts=soon(), episode_ids=[ep("r1")])
+        )
+        assert isinstance(await env.outcome("r1"), StaleAttemptError)
+        assert env.participant.steps.episodes == {}
+        with pytest.raises(StaleAttemptError):
+            await env.participant.run(ep("r1"), task())
+        env.peers.release("activate")
+        env.start("r1-a1")
+        assert (await env.outcome("r1-a1")).result is not None
+    assert "close" not in env.peers.names("r1")  # cancelled, not cleaned up by the episode
+
+
+async def test_a_running_key_is_refused(tmp_path: Path) -> None:
+    async with environment(tmp_path) as env:
+        env.peers.hold("activate")
+        env.start("r1")
+        await env.peers.entered["activate"].wait()
+        with pytest.raises(CheckpointError, match="already running"):
+            await env.participant.run(ep("r1"), task())
+        env.peers.release("activate")
+        assert (await env.outcome("r1")).result is not None
+
+
+async def test_install_checks_every_record_before_installing_any(tmp_path: Path) -> None:
+    good = {
+        "episode_id": {"rollout_id": "r1", "attempt": 0},
+        "task_digest": "a" * 64,
+        "boundary": None,
+    }
+    bad = {**good, "episode_id": {"rollout_id": "r2", "attempt": 0}, "boundary": {"next": "fly"}}
+    async with environment(tmp_path) as env:
+        with pytest.raises(InvalidCheckpointStateError):
+            await env.participant.install([good, bad], [ep("r1"), ep("r2")])
+        assert env.participant.restored == {}
+        assert not env.participant.awaiting_resume
+        await env.participant.install([good], [ep("r1")])
+        assert env.participant.restored_pending() == [ep("r1-a1")]
+        with pytest.raises(CheckpointError, match="without live episodes"):
+            await env.participant.install([good], [ep("r1")])
+
+
+async def test_a_restart_episode_never_blocks_parks_or_exports(tmp_path: Path) -> None:
+    async with environment(tmp_path, ScriptedPeers(restart=True, verify_mode="wait")) as env:
+        env.peers.hold("verify")
+        env.start("r1")
+        await env.peers.entered["verify"].wait()
+        assert await env.prepare("c1") is Phase.PREPARED
+        assert env.participant.readiness().restarts == ["r1"]
+        assert await env.commit("c1", None) == []
+        env.peers.release("verify")
+        assert (await env.outcome("r1")).result is not None  # it ran on through the checkpoint
+        await env.resume("c1")
+
+
+async def test_a_failing_replay_step_while_closed_exports_no_boundary_and_reports_after_resume(
+    tmp_path: Path,
+) -> None:
+    async with environment(tmp_path) as env:
+        env.peers.hold("activate")
+        env.start("r1")
+        await env.peers.entered["activate"].wait()
+        assert await env.prepare("c1") is Phase.PREPARED
+        env.peers.refuse["activate"] = RuntimeError("agent vanished")
+        env.peers.release("activate")
+        await settle()
+        assert "r1" not in env.outcomes  # no episode finishes while the checkpoint is open
+        assert env.participant.ready()
+        (record,) = await env.commit("c1", ["r1"])
+        assert record["boundary"] is None  # starts over from its input after a crash
+        await env.resume("c1")
+        outcome = await env.outcome("r1")
+    assert outcome.failure == {"code": "internal_error", "detail": "agent vanished"}

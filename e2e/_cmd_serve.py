@@ -31,7 +31,7 @@ CONTROL_TOKEN_ENV: Final = "MIDFLIGHT_CONTROL_TOKEN"  # noqa: S105 - the variabl
 CAPTURE_TOKEN_ENV: Final = "MIDFLIGHT_CAPTURE_TOKEN"  # noqa: S105 - the variable name, not a token
 DEFAULT_ROOT: Final = Path("midflight-run")
 
-SERVE_ROLE_MODULES: Final[tuple[str, ...]] = ("e2e._serve_worker",)
+SERVE_ROLE_MODULES: Final[tuple[str, ...]] = ("e2e._serve_worker", "e2e._serve_agent")
 """Modules that each add one role to ``serve`` (``register(serve_app)``)."""
 
 

@@ -112,10 +112,10 @@ class FakePeers:
         return app
 
 
-async def wait_for(condition: Callable[[], bool], what: str, timeout: float = 10.0) -> None:
-    """Poll ``condition`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
-    with anyio.fail_after(timeout):
-        while not condition():
+async def wait_for(condition: Callable[[], bool], what: str, limit: float = 10.0) -> None:
+    """Poll ``condition`` until it holds; fail naming ``what`` after ``limit`` seconds."""
+    with anyio.fail_after(limit):
+        while not condition():  # noqa: ASYNC110 - state of another component, no event to wait on
             await anyio.sleep(0.005)
     assert condition(), what
 

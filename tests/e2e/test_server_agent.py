@@ -38,12 +38,12 @@ async def agent(peers: FakePeers, root: Path) -> AsyncIterator[httpx.AsyncClient
     ctx = ServeContext("agent", 0, root, default_cluster(root), TOKEN, TOKEN)
     transport = httpx.ASGITransport(app=peers.app())
     app = create_agent_app(ctx, transports={"model": transport, "resources": transport})
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=app), base_url="http://agent", timeout=30
-        ) as client:
-            client.app = app  # type: ignore[attr-defined]
-            yield client
+    client = httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://agent", timeout=30
+    )
+    async with app.router.lifespan_context(app), client:
+        client.app = app  # type: ignore[attr-defined]
+        yield client
 
 
 def participant_of(client: httpx.AsyncClient) -> AgentParticipant:

@@ -110,6 +110,9 @@ async def test_the_last_activation_repeats_its_reply_and_other_indexes_are_refus
         missing = await client.post(f"/ng-rollout/{KEY}/sessions/activate")
         assert missing.status_code == 422 and code(missing) == "invalid_request"
         assert len(peers.model_calls) == 2
+        assert (await activate(client, 2)).status_code == 200
+        assert code(await activate(client, 1)) == "activation_out_of_order"  # an earlier index
+        assert len(peers.model_calls) == 4
 
 
 async def test_bad_seeds_are_refused_and_change_nothing(tmp_path: Path) -> None:

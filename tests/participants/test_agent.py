@@ -45,7 +45,7 @@ def test_the_tool_follows_the_sha256_of_the_completion() -> None:
         assert choose_tool(text) == (("add", "mul", "note")[d[0] % 3], d[1] % 10)
 
 
-def _record(**session: Any) -> dict[str, Any]:
+def _record(rollout_id: str = "r1", **session: Any) -> dict[str, Any]:
     base = {
         "conversation": [
             {"role": "system", "content": "counter"},
@@ -58,8 +58,8 @@ def _record(**session: Any) -> dict[str, Any]:
         "stored_reply": None,
     }
     return {
-        "episode_id": E0.model_dump(),
-        "session_key": "r1",
+        "episode_id": {"rollout_id": rollout_id, "attempt": 0},
+        "session_key": rollout_id,
         "session": {**base, **session},
         "boundary": None,
     }
@@ -68,12 +68,13 @@ def _record(**session: Any) -> dict[str, Any]:
 async def test_install_checks_every_record_before_installing_any() -> None:
     agent = AgentParticipant("agent", ScriptedPeers())
     good = _record()
-    other = {**_record(), "episode_id": {"rollout_id": "r2", "attempt": 0}, "session_key": "r2"}
+    other = _record("r2")
     for bad in (
-        _record(turn_in_activation=1),  # the conversation is too short for this position
-        _record(stored_reply={"activation": 1}),  # a reply with no activation completed
-        {**_record(), "session_key": "r9"},
-        {**_record(), "session": "nope"},
+        _record("r2", turn_in_activation=1),  # the conversation is too short for this position
+        _record("r2", stored_reply={"activation": 1}),  # a reply with no activation completed
+        {**_record("r2"), "session_key": "r9"},
+        {**_record("r2"), "session": "nope"},
+        _record(),  # the same session twice
     ):
         with pytest.raises(InvalidCheckpointStateError):
             await agent.install([good, bad], [E0])

@@ -37,6 +37,7 @@ SERVE_ROLE_MODULES: Final[tuple[str, ...]] = (
     "e2e._serve_worker",
     "e2e._serve_model",
     "e2e._serve_resources",
+    "e2e._serve_agent",
     "e2e._serve_environment",
 )
 """Modules that each add one role to ``serve`` (``register(serve_app)``)."""

@@ -10,6 +10,8 @@ So far: durable writing and verified reading of one participant's share of a che
 the capture ledger (file-backed and in-memory) with its control routes.
 """
 
+from ._agent import AgentParticipant
+from ._agent_session import AgentPeers, AgentTaskInput, choose_tool
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
 from ._environment import (
@@ -88,6 +90,9 @@ __all__ = [
     "VERIFY_MODES",
     "WRITE_STEPS",
     "ActiveCall",
+    "AgentParticipant",
+    "AgentPeers",
+    "AgentTaskInput",
     "BaseParticipant",
     "CaptureAdapter",
     "CaptureError",
@@ -129,6 +134,7 @@ __all__ = [
     "VerifyMode",
     "authorized",
     "build_report",
+    "choose_tool",
     "control_router",
     "error_response",
     "fsync_directory",

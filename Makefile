@@ -1,4 +1,4 @@
-# midflight — the two commands of the README are `make demo` and `make test`.
+# midflight — the two commands of the README are `make drill` and `make test`.
 # Every target bootstraps .venv from constraints.txt when it is missing or stale.
 
 PYTHON ?= python3
@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_FLAGS ?=
 
-.PHONY: setup demo test lint typecheck pytest docs docs-serve soak lock clean
+.PHONY: setup drill demo test lint typecheck pytest docs docs-serve soak lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "midflight needs python3 >= 3.11, found " + sys.version.split()[0])'
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-## The main job: until the crash-restore drill lands, a scripted tour of what is built.
+## The main job: the crash-restore drill on its defaults (SIGKILLs real servers, proves exactly-once).
+drill: $(STAMP)
+	$(BIN)/midflight drill
+
+## A short scripted tour of checkpoint storage and one participant through a SIGKILL.
 demo: $(STAMP)
 	$(BIN)/midflight demo
 

@@ -11,6 +11,7 @@ from typing import Final
 
 COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cmd_version",
+    "e2e._cmd_drill",
     "e2e._cmd_demo",
     "e2e._cmd_serve",
     "e2e._cmd_bench",

@@ -1,0 +1,127 @@
+"""``midflight drill``: the crash-restore drill, and ``drill-driver`` (its controller process)."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from ._drill import FAULTS, DrillOptions, run_drill
+from ._oracle import ERROR_FIGURES
+from ._output import JsonOption, console, emit, error_console
+
+SHOWN = (
+    "rollouts",
+    "completed",
+    "checkpoints",
+    "crashes",
+    "restored",
+    "lost",
+    "token_mismatches",
+    "reward_mismatches",
+    "repeated_model_calls",
+    "redone_model_calls",
+    "held_delivered",
+    "cut_continued",
+    "extra_tokens_generated",
+    "stale_probes",
+    "stale_accepted",
+    "leftover",
+    "wall_s",
+    "baseline_wall_s",
+)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``drill`` and the hidden ``drill-driver`` to the app."""
+
+    @app.command("drill")
+    def drill_command(
+        rollouts: Annotated[int, typer.Option(min=1, help="Rollouts to run.")] = 8,
+        checkpoints: Annotated[int, typer.Option(min=0, help="Checkpoints to publish.")] = 3,
+        crashes: Annotated[int, typer.Option(min=0, help="SIGKILLs of every server.")] = 2,
+        seed: Annotated[int, typer.Option(min=0, help="Generation seed of the episodes.")] = 0,
+        token_delay_ms: Annotated[
+            float, typer.Option(min=0.0, help="Worker delay per token.")
+        ] = 4.0,
+        concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight at once.")] = 4,
+        fault: Annotated[
+            str | None, typer.Option(help="Inject a fault: " + ", ".join(sorted(FAULTS)))
+        ] = None,
+        keep_dir: Annotated[
+            Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
+        ] = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
+        if fault is not None and fault not in FAULTS:
+            raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
+        options = DrillOptions(
+            rollouts=rollouts,
+            checkpoints=checkpoints,
+            crashes=crashes,
+            seed=seed,
+            token_delay_ms=token_delay_ms,
+            concurrency=concurrency,
+            fault=fault,
+        )
+        work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
+        lines: list[str] = []
+
+        def on_line(line: str) -> None:
+            lines.append(line)
+            if not as_json:
+                error_console.print(f"[dim]{line}[/dim]")
+
+        try:
+            with (
+                error_console.status("running the drill…", spinner="dots")
+                if not as_json
+                else _null()
+            ):
+                figures = run_drill(options, work, on_line)
+        finally:
+            if keep_dir is None:
+                shutil.rmtree(work, ignore_errors=True)
+        failures = figures.failed_checks()
+        figures.values["ok"] = not failures
+        figures.values["failures"] = failures
+
+        def render() -> None:
+            table = Table(title="midflight drill")
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            for name in SHOWN:
+                value = figures.values.get(name)
+                style = "red" if name in ERROR_FIGURES and value else ""
+                table.add_row(name, f"[{style}]{value}[/{style}]" if style else str(value))
+            console.print(table)
+            console.print(
+                "[green]PASS[/green]" if not failures else "[red]FAIL[/red]: " + "; ".join(failures)
+            )
+
+        emit(figures.values, as_json=as_json, render=render)
+        raise typer.Exit(0 if not failures else 1)
+
+    @app.command("drill-driver", hidden=True)
+    def drill_driver_command(
+        root: Annotated[Path, typer.Option()],
+        cluster: Annotated[Path, typer.Option()],
+        plan: Annotated[Path, typer.Option()],
+    ) -> None:
+        """The drill's controller process (started by ``midflight drill``)."""
+        from ._driver import main
+
+        main(root, cluster, plan)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None

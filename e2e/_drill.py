@@ -1,0 +1,210 @@
+"""``midflight drill``: the crash-restore drill.
+
+1. **Baseline**: the same rollouts on a fresh cluster, no checkpoint, no crash.
+2. **Run**: the rollouts again with checkpoints taken while model calls are in flight, and a SIGKILL
+   of every server process (and of the controller) after some of them; each time fresh processes
+   start on the same run root and the controller restores from the last published checkpoint.
+3. **Oracle**: the figures, computed from evidence, against the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from ._evidence import EvidenceLog
+from ._oracle import Figures, compute_figures, rollout_outcomes
+from ._supervisor import Supervisor, SupervisorOptions
+
+FAULTS = {
+    "rerun-from-input": "repeated_model_calls",
+    "skip-ledger-import": "token_mismatches",
+    "no-restore-fence": "stale_accepted",
+    "export-undelivered": "repeated_model_calls",
+}
+"""Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``)."""
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    """What ``midflight drill`` runs."""
+
+    rollouts: int = 8
+    checkpoints: int = 3
+    crashes: int = 2
+    seed: int = 0
+    token_delay_ms: float = 4.0
+    activations: int = 2
+    turns: int = 2
+    max_tokens: int = 32
+    concurrency: int = 4
+    fault: str | None = None
+    phase_timeout_s: float = 120.0
+
+
+class DriverProcess:
+    """One controller incarnation as its own process group, spoken to through stdout lines."""
+
+    def __init__(
+        self, root: Path, cluster: Path, plan: dict[str, Any], env: dict[str, str]
+    ) -> None:
+        plan_path = root / f"plan-{plan['phase']}.json"
+        plan_path.write_text(json.dumps(plan))
+        log = open(root / "logs" / f"driver-{plan['phase']}.log", "ab")  # noqa: SIM115
+        self._log = log
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "e2e",
+                "drill-driver",
+                "--root",
+                str(root),
+                "--cluster",
+                str(cluster),
+                "--plan",
+                str(plan_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env},
+            start_new_session=True,
+        )
+        self._buffer = b""
+
+    def wait_for(self, word: str, timeout: float, on_line: Callable[[str], None]) -> bool:
+        """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while (remaining := deadline - time.monotonic()) > 0:
+                if not selector.select(remaining):
+                    continue
+                chunk = os.read(self.process.stdout.fileno(), 4096)
+                if not chunk:
+                    return False
+                self._buffer += chunk
+                while b"\n" in self._buffer:
+                    line, self._buffer = self._buffer.split(b"\n", 1)
+                    text = line.decode(errors="replace").strip()
+                    on_line(text)
+                    if text == word:
+                        return True
+        return False
+
+    def kill(self) -> None:
+        """SIGKILL the controller's process group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait(timeout=30)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self._log.close()
+
+
+def _phase_checkpoints(options: DrillOptions) -> list[int]:
+    """Spread the checkpoints over the phases; every phase before a crash gets at least one."""
+    phases = options.crashes + 1
+    counts = [0] * phases
+    for index in range(options.checkpoints):
+        counts[index % phases] += 1
+    for phase in range(options.crashes):
+        counts[phase] = max(counts[phase], 1)  # a crash needs a published checkpoint to restore
+    return counts
+
+
+def run_cluster(
+    root: Path,
+    options: DrillOptions,
+    *,
+    crashes: int,
+    checkpoints: list[int],
+    token: str,
+    on_line: Callable[[str], None],
+) -> None:
+    """Run every driver phase on one cluster, crashing between phases."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(exist_ok=True)
+    env = {"MIDFLIGHT_CONTROL_TOKEN": token}
+    if options.fault:
+        env["MIDFLIGHT_FAULT"] = options.fault
+    rollouts = [f"r{index:03d}" for index in range(options.rollouts)]
+    task_input = {
+        "activations": options.activations,
+        "turns": options.turns,
+        "max_tokens": options.max_tokens,
+        "seed": options.seed,
+    }
+    evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
+    supervisor_options = SupervisorOptions(
+        role_options={"worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed}},
+        env=env,
+    )
+    with Supervisor(root, token, supervisor_options) as supervisor:
+        for phase in range(crashes + 1):
+            crash_after = phase < crashes
+            plan = {
+                "rollouts": rollouts,
+                "task_input": task_input,
+                "phase": phase,
+                "checkpoints": checkpoints[phase] if phase < len(checkpoints) else 0,
+                "crash_after": crash_after,
+                "concurrency": options.concurrency,
+                "fault": options.fault,
+            }
+            driver = DriverProcess(root, supervisor.cluster_path, plan, env)
+            try:
+                word = "crash-point" if crash_after else "done"
+                if not driver.wait_for(word, options.phase_timeout_s, on_line):
+                    raise RuntimeError(f"the driver did not reach {word!r} in phase {phase}")
+            finally:
+                driver.kill()
+            if crash_after:
+                supervisor.kill_all()
+                evidence.append({"event": "crash", "phase": phase, "t": time.time()})
+                on_line(f"crash {phase + 1}: every server SIGKILLed")
+                supervisor.restart_all()
+
+
+def run_drill(options: DrillOptions, work: Path, on_line: Callable[[str], None]) -> Figures:
+    """The whole drill in ``work``: baseline, run, figures."""
+    token = secrets.token_urlsafe(24)
+    started = time.monotonic()
+    baseline_options = DrillOptions(**{**asdict(options), "fault": None})
+    run_cluster(
+        work / "baseline",
+        baseline_options,
+        crashes=0,
+        checkpoints=[0],
+        token=token,
+        on_line=lambda line: on_line(f"baseline: {line}"),
+    )
+    baseline_wall = time.monotonic() - started
+    baseline = rollout_outcomes(work / "baseline")
+    started = time.monotonic()
+    run_cluster(
+        work / "run",
+        options,
+        crashes=options.crashes,
+        checkpoints=_phase_checkpoints(options),
+        token=token,
+        on_line=on_line,
+    )
+    figures = compute_figures(work / "run", baseline, rollouts=options.rollouts)
+    figures.values["wall_s"] = round(time.monotonic() - started, 3)
+    figures.values["baseline_wall_s"] = round(baseline_wall, 3)
+    figures.values["fault"] = options.fault
+    return figures

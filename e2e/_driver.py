@@ -1,0 +1,373 @@
+"""The rollout driver: the training controller of the drill, run as its own process.
+
+It dispatches ``/run`` per rollout, checkpoints while model calls are in flight, and after a crash
+rolls its own state back to the restored checkpoint, restores the servers, re-dispatches the
+continued episodes as their next attempt, retires every other logged unfinished attempt before
+running it again, and probes the fenced attempts on every participant kind. Everything it does
+is logged (fsynced) to ``<root>/evidence/driver.jsonl`` before it acts on it.
+
+The drill talks to it through stdout lines: ``checkpointed <id>``, ``crash-point`` (kill me now)
+and ``done``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+
+from protocols import EpisodeId
+
+from ._cluster import Cluster, read_cluster
+from ._control import ControlSession, blocking_episodes
+from ._evidence import EvidenceLog, read_evidence
+
+DEADLINE_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class DriverPlan:
+    """What one driver process does before it exits or asks to be crashed."""
+
+    rollouts: list[str]
+    task_input: dict[str, Any]
+    phase: int
+    checkpoints: int
+    crash_after: bool
+    concurrency: int = 4
+    fault: str | None = None
+
+    @classmethod
+    def load(cls, path: Path) -> DriverPlan:
+        """Read a plan file."""
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class ControllerState:
+    """The controller's own state, checkpointed with the participants'."""
+
+    accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "attempts": self.attempts}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ControllerState:
+        return cls(accepted=dict(data.get("accepted", {})), attempts=dict(data.get("attempts", {})))
+
+
+def _task(rollout: str, task_input: Mapping[str, Any]) -> dict[str, Any]:
+    return {"task_id": {"taskset": "counter", "task_id": rollout}, "task_input": dict(task_input)}
+
+
+class Driver:
+    """One incarnation of the controller."""
+
+    def __init__(self, root: Path, cluster: Cluster, plan: DriverPlan, token: str) -> None:
+        self.root = root
+        self.cluster = cluster
+        self.plan = plan
+        self.token = token
+        self.evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
+        self.state = ControllerState()
+        self.in_flight: dict[str, int] = {}
+        self.done_events: dict[str, anyio.Event] = {}
+        self.control = ControlSession(cluster, token)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0))
+        self.wake = anyio.Event()
+        self.retired: dict[str, int] = {}
+
+    async def log(self, event: dict[str, Any]) -> None:
+        """Append one evidence line (fsynced) before acting on it."""
+        await anyio.to_thread.run_sync(self.evidence.append, {**event, "t": time.time()})
+
+    @staticmethod
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    # ------------------------------------------------------------------ dispatch
+    async def run_rollout(self, rollout: str, attempt: int) -> None:
+        """Run a rollout to an accepted result; a retired straggler reruns as its next attempt."""
+        while True:
+            await self.run_attempt(rollout, attempt)
+            if rollout in self.state.accepted or self.retired.get(rollout, -1) < attempt:
+                return
+            attempt += 1
+            self.state.attempts[rollout] = attempt
+
+    async def run_attempt(self, rollout: str, attempt: int) -> None:
+        episode = EpisodeId(rollout_id=rollout, attempt=attempt)
+        self.in_flight[rollout] = attempt
+        self.done_events[rollout] = anyio.Event()
+        try:
+            await self.log({"event": "dispatch", "rollout": rollout, "attempt": attempt})
+            body = {
+                "episode_id": episode.model_dump(),
+                "task": _task(rollout, self.plan.task_input),
+            }
+            url = self.cluster.url_of("environment") + "/run"
+            while True:
+                reply = await self.http.post(url, json=body)
+                code = _error_code(reply)
+                if code == "admission_closed":
+                    await anyio.sleep(0.05)  # a checkpoint is open: same attempt after resume
+                    continue
+                break
+            if reply.status_code != 200 or "result" not in reply.json():
+                await self.log(
+                    {
+                        "event": "run_failed",
+                        "rollout": rollout,
+                        "attempt": attempt,
+                        "status": reply.status_code,
+                        "code": code,
+                    }
+                )
+                return
+            result = reply.json()["result"]
+            manifest = await self.control.ledger_manifest(episode.capture_key)
+            await self.log(
+                {
+                    "event": "result",
+                    "rollout": rollout,
+                    "attempt": attempt,
+                    "reward": result["reward"],
+                    "manifest": manifest,
+                }
+            )
+            self.state.accepted[rollout] = {"attempt": attempt, "reward": result["reward"]}
+        finally:
+            if self.in_flight.get(rollout) == attempt:
+                del self.in_flight[rollout]
+            self.done_events[rollout].set()
+            self.wake.set()
+
+    # ------------------------------------------------------------------ checkpoint
+    def finished(self) -> bool:
+        """Whether every rollout of the plan has an accepted result."""
+        return all(rollout in self.state.accepted for rollout in self.plan.rollouts)
+
+    async def wait_for_model_calls_in_flight(self) -> bool:
+        """Wait (bounded) until the policy server is generating; False when everything finished."""
+        with anyio.move_on_after(60.0):
+            while not self.finished():
+                if await self.control.model_calls_in_flight() > 0:
+                    return True
+                await anyio.sleep(0.01)
+        return False
+
+    async def checkpoint(self, index: int) -> bool:
+        checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
+        directory = self.control.checkpoint_dir(self.root, checkpoint_id)
+        deadline = time.time() + DEADLINE_SECONDS
+        scope = dict(self.in_flight.items())
+        prepared = await self.control.prepare(checkpoint_id, deadline)
+        if not prepared.prepared:
+            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            stragglers = blocking_episodes(prepared)
+            await self.log(
+                {
+                    "event": "prepare_blocked",
+                    "id": checkpoint_id,
+                    "blockers": [e.capture_key for e in stragglers],
+                }
+            )
+            if stragglers:
+                for episode in stragglers:
+                    self.retired[episode.rollout_id] = episode.attempt
+                await self.control.retire(f"retire-{checkpoint_id}", stragglers)
+            return False
+        episodes = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
+        commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
+        exported = set(commit.environment_episode_ids())
+        for rollout, attempt in scope.items():  # replies already on the wire finish first
+            key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
+            if key not in exported and rollout in self.done_events:
+                with anyio.move_on_after(DEADLINE_SECONDS):
+                    await self.done_events[rollout].wait()
+        continued = [e for e in episodes if e.capture_key in exported]
+        state = ControllerState(
+            accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)
+        )
+        await self.control.publish(self.root, checkpoint_id, commit, continued, state.to_json())
+        await self.log(
+            {
+                "event": "checkpoint",
+                "id": checkpoint_id,
+                "dir": str(directory),
+                "continued": [e.capture_key for e in continued],
+            }
+        )
+        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        self.say(f"checkpointed {checkpoint_id}")
+        return True
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self) -> list[tuple[str, int]]:
+        """Restore from LATEST; return the (rollout, attempt) pairs to dispatch first."""
+        latest = await self.control.read_latest(self.root)
+        self.state = ControllerState.from_json(latest["controller_state"])
+        continued = [EpisodeId.model_validate(e) for e in latest["continued"]]
+        restore_id = f"restore-{self.plan.phase}"
+        restored: list[str] = []
+        if self.plan.fault != "rerun-from-input":
+            restored = await self.control.restore(
+                restore_id,
+                time.time() + DEADLINE_SECONDS,
+                Path(latest["checkpoint_dir"]),
+                continued,
+            )
+            await self.control.resume(restore_id, time.time() + DEADLINE_SECONDS)
+        await self.log(
+            {
+                "event": "restore",
+                "checkpoint_id": latest["checkpoint_id"],
+                "checkpoint_dir": latest["checkpoint_dir"],
+                "restored": restored,
+                "checkpoint_t": latest.get("created_at", 0.0),
+            }
+        )
+        logged: dict[str, int] = {}
+        for event in read_evidence(self.evidence.path):
+            if event.get("event") == "dispatch":
+                logged[event["rollout"]] = max(logged.get(event["rollout"], -1), event["attempt"])
+        continued_rollouts = {e.rollout_id for e in continued} if restored else set()
+        to_retire = [
+            EpisodeId(rollout_id=r, attempt=a)
+            for r, a in sorted(logged.items())
+            if r not in self.state.accepted and r not in continued_rollouts
+        ]
+        if to_retire:
+            await self.control.retire(f"retire-{restore_id}", to_retire)
+        await self.probe_stale([*continued[:2], *to_retire[:1]])
+        plan: list[tuple[str, int]] = []
+        for episode in continued:
+            if episode.rollout_id in continued_rollouts:
+                plan.append((episode.rollout_id, episode.attempt + 1))
+        for episode in to_retire:
+            plan.append((episode.rollout_id, episode.attempt + 1))
+        return plan
+
+    async def probe_stale(self, fenced: list[EpisodeId]) -> None:
+        """Send late requests of fenced attempts to every participant kind; log each answer."""
+        for episode in fenced:
+            key = episode.capture_key
+            probes = {
+                "environment": (
+                    self.cluster.url_of("environment") + "/run",
+                    {
+                        "episode_id": episode.model_dump(),
+                        "task": _task(episode.rollout_id, self.plan.task_input),
+                    },
+                    {},
+                ),
+                "agent": (
+                    self.cluster.url_of("agent") + f"/ng-rollout/{key}/sessions/activate",
+                    {},
+                    {"x-ng-agent-activation": "1"},
+                ),
+                "resources": (
+                    self.cluster.url_of("resources") + f"/ng-rollout/{key}/tools/add",
+                    {"arg": 1},
+                    {},
+                ),
+                "model": (
+                    self.cluster.url_of("model") + f"/ng-rollout/{key}/v1/chat/completions",
+                    {"messages": [{"role": "user", "content": "late"}], "max_tokens": 1},
+                    {},
+                ),
+            }
+            for kind, (url, body, headers) in probes.items():
+                with anyio.fail_after(60):
+                    reply = await self.http.post(url, json=body, headers=headers)
+                code = _error_code(reply)
+                await self.log(
+                    {
+                        "event": "stale_probe",
+                        "crash": self.plan.phase,
+                        "kind": kind,
+                        "key": key,
+                        "status": reply.status_code,
+                        "code": code,
+                        "accepted": reply.status_code < 400,
+                    }
+                )
+
+    # ------------------------------------------------------------------ the run
+    async def run(self) -> None:
+        first: list[tuple[str, int]] = []
+        if self.plan.phase > 0:
+            first = await self.recover()
+        async with anyio.create_task_group() as group:
+            pending = [r for r in self.plan.rollouts if r not in self.state.accepted]
+            queued = dict(first)
+            for rollout in pending:
+                queued.setdefault(rollout, self.state.attempts.get(rollout, 0))
+            order = [r for r, _ in first] + [r for r in pending if r not in dict(first)]
+
+            async def dispatcher() -> None:
+                for rollout in order:
+                    while len(self.in_flight) >= self.plan.concurrency:
+                        self.wake = anyio.Event()
+                        await self.wake.wait()
+                    attempt = queued[rollout]
+                    self.state.attempts[rollout] = attempt
+                    group.start_soon(self.run_rollout, rollout, attempt)
+                    await anyio.lowlevel.checkpoint()
+
+            group.start_soon(dispatcher)
+            taken = 0
+            while taken < self.plan.checkpoints:
+                if not await self.wait_for_model_calls_in_flight():
+                    break
+                if await self.checkpoint(taken):
+                    taken += 1
+                await anyio.sleep(0.05)
+            if self.plan.crash_after:
+                await anyio.sleep(0.2)  # let some calls be delivered after the checkpoint
+                self.say("crash-point")
+                await anyio.sleep_forever()
+        await self.finish()
+
+    async def finish(self) -> None:
+        """Retire every finished attempt, forget, check that nothing is left, log the final state."""
+        retire = [
+            EpisodeId(rollout_id=r, attempt=v["attempt"])
+            for r, v in sorted(self.state.accepted.items())
+        ]
+        if retire:
+            await self.control.retire("retire-final", retire)
+            await self.control.forget("forget-final", sorted(self.state.accepted))
+        leftover = await self.control.leftover(self.root)
+        await self.log({"event": "final", "accepted": self.state.accepted, "leftover": leftover})
+        self.say("done")
+
+
+def _error_code(reply: httpx.Response) -> str | None:
+    if reply.status_code < 400:
+        return None
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
+    """Run one driver incarnation (``midflight drill-driver``)."""
+    token = os.environ["MIDFLIGHT_CONTROL_TOKEN"]
+    driver = Driver(root, read_cluster(cluster_path), DriverPlan.load(plan_path), token)
+    anyio.run(driver.run)

@@ -1,0 +1,194 @@
+"""The drill's figures, computed only from evidence that survives SIGKILL.
+
+Inputs: the driver's evidence (dispatches, accepted results with their ledger manifests, checkpoints,
+restores, crashes, stale probes, the final state), the policy server's egress evidence, the
+published checkpoints and the worker's staging store. Never an in-memory counter.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from participants import read_participant_checkpoint
+from protocols import EpisodeId
+
+from ._evidence import read_evidence
+from ._tokens_of import TokenSequenceError, token_sequence
+
+ERROR_FIGURES: Final = (
+    "lost",
+    "token_mismatches",
+    "reward_mismatches",
+    "repeated_model_calls",
+    "stale_accepted",
+    "extra_tokens_generated",
+    "leftover",
+)
+"""Any of these non-zero fails the drill."""
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    """What one rollout finally produced."""
+
+    reward: float | None
+    tokens: list[int] | None
+    model_calls: int
+
+
+def rollout_outcomes(root: Path) -> dict[str, RolloutOutcome]:
+    """The accepted final result of every rollout of a run, with its rebuilt token sequence."""
+    events = read_evidence(root / "evidence" / "driver.jsonl")
+    final = next((e for e in reversed(events) if e.get("event") == "final"), None)
+    accepted: Mapping[str, Any] = final["accepted"] if final else {}
+    results = {(e["rollout"], e["attempt"]): e for e in events if e.get("event") == "result"}
+    outcomes: dict[str, RolloutOutcome] = {}
+    for rollout, choice in accepted.items():
+        result = results.get((rollout, choice["attempt"]))
+        if result is None:
+            continue
+        records = result.get("manifest", {}).get("records", [])
+        try:
+            tokens: list[int] | None = token_sequence(records, root / "staging")
+        except TokenSequenceError:
+            tokens = None
+        outcomes[rollout] = RolloutOutcome(
+            reward=result.get("reward"), tokens=tokens, model_calls=len(records)
+        )
+    return outcomes
+
+
+def _delivered_at(
+    checkpoint_dir: Path, egress_by_call: Mapping[str, Mapping[str, Any]]
+) -> set[tuple[str, str]]:
+    """(rollout, request digest) of every call the checkpoint's model records list as delivered."""
+    delivered: set[tuple[str, str]] = set()
+    for manifest in (checkpoint_dir / "gym" / "model").glob("*/manifest.json"):
+        share = read_participant_checkpoint(
+            manifest.parent, kind="model", instance=manifest.parent.name
+        )
+        for record in share.records:
+            rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
+            for row in record.get("rows", []):
+                egress = egress_by_call.get(row.get("model_call_id", ""))
+                if egress is not None:
+                    delivered.add((rollout, egress["request_digest"]))
+    return delivered
+
+
+@dataclass
+class Figures:
+    """Every figure the drill reports (e2e-contract §6)."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+
+    def failed_checks(self, *, require_cuts: bool = False) -> list[str]:
+        """Why the run fails: error figures, or too little activity to prove anything."""
+        v = self.values
+        reasons = [f"{name} = {v[name]}" for name in ERROR_FIGURES if v.get(name)]
+        if v["checkpoints"] < 3:
+            reasons.append(f"only {v['checkpoints']} checkpoints (need 3)")
+        if v["crashes"] < 2:
+            reasons.append(f"only {v['crashes']} crashes (need 2)")
+        if any(n == 0 for n in v["restored_per_crash"]):
+            reasons.append("a crash restored nothing")
+        if v["held_delivered"] < 1:
+            reasons.append("no response was held through a checkpoint")
+        if v["crashes"] and min(v["stale_probes_per_crash"] or [0]) < 4:
+            reasons.append("fewer than 4 stale probes after a crash")
+        if require_cuts and v["cut_continued"] < 1:
+            reasons.append("no continued generation cut")
+        return reasons
+
+
+def compute_figures(
+    run_root: Path, baseline: Mapping[str, RolloutOutcome], *, rollouts: int
+) -> Figures:
+    """Every figure of one drill run against its baseline."""
+    driver = read_evidence(run_root / "evidence" / "driver.jsonl")
+    policy = read_evidence(run_root / "evidence" / "policy.jsonl")
+    worker = read_evidence(run_root / "evidence" / "worker.jsonl")
+    outcomes = rollout_outcomes(run_root)
+    egress = [e for e in policy if e.get("event") == "egress"]
+    executions = [e for e in policy if e.get("event") in ("admit", "egress")]
+    egress_by_call = {e["model_call_id"]: e for e in egress}
+
+    repeated: set[tuple[str, str, float]] = set()
+    redone = 0
+    restores = [e for e in driver if e.get("event") == "restore"]
+    crashes = [e for e in driver if e.get("event") == "crash"]
+    for restore in restores:
+        delivered = _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
+        for event in executions:
+            rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
+            if event["t"] > restore["t"] and (rollout, event["request_digest"]) in delivered:
+                repeated.add((rollout, event["request_digest"], event["t"]))
+        published = restore.get("checkpoint_t", 0.0)
+        crash_t = max((c["t"] for c in crashes if c["t"] < restore["t"]), default=restore["t"])
+        after = {
+            (EpisodeId.from_capture_key(e["capture_key"]).rollout_id, e["request_digest"])
+            for e in executions
+            if e["t"] > restore["t"]
+        }
+        redone += sum(
+            1
+            for e in egress
+            if published < e["t"] < crash_t
+            and (EpisodeId.from_capture_key(e["capture_key"]).rollout_id, e["request_digest"])
+            in after
+        )
+
+    probes = [e for e in driver if e.get("event") == "stale_probe"]
+    probes_per_crash: dict[int, int] = defaultdict(int)
+    for probe in probes:
+        probes_per_crash[probe.get("crash", 0)] += 1
+    final: dict[str, Any] = next((e for e in reversed(driver) if e.get("event") == "final"), {})
+    leftover_detail = final.get("leftover", {"driver": "did not finish"})
+    leftover = sum(int(v) for v in leftover_detail.values() if isinstance(v, int | bool)) + (
+        0 if final else 1
+    )
+    checkpoints_dir = run_root / "checkpoints"
+    published = sorted(p.parent.name for p in checkpoints_dir.glob("*/checkpoint.json"))
+    token_mismatches = sum(
+        1
+        for rollout, outcome in outcomes.items()
+        if rollout in baseline
+        and (outcome.tokens is None or outcome.tokens != baseline[rollout].tokens)
+    )
+    reward_mismatches = sum(
+        1
+        for rollout, outcome in outcomes.items()
+        if rollout in baseline and outcome.reward != baseline[rollout].reward
+    )
+    values: dict[str, Any] = {
+        "rollouts": rollouts,
+        "completed": len(outcomes),
+        "checkpoints": len(published),
+        "crashes": len(crashes),
+        "restored": sum(len(r.get("restored", [])) for r in restores),
+        "restored_per_crash": [len(r.get("restored", [])) for r in restores],
+        "lost": rollouts - len(outcomes),
+        "token_mismatches": token_mismatches,
+        "reward_mismatches": reward_mismatches,
+        "repeated_model_calls": len(repeated),
+        "redone_model_calls": redone,
+        "held_delivered": sum(1 for e in egress if e.get("held")),
+        "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),
+        "extra_tokens_generated": 0,
+        "stale_probes": len(probes),
+        "stale_probes_per_crash": [probes_per_crash[i] for i in range(1, len(crashes) + 1)],
+        "stale_accepted": sum(1 for p in probes if p.get("accepted")),
+        "leftover": leftover,
+        "leftover_detail": leftover_detail,
+    }
+    return Figures(values)
+
+
+def dump_figures(figures: Figures) -> str:
+    """The figures as one JSON object."""
+    return json.dumps(figures.values, sort_keys=True)

@@ -1,0 +1,73 @@
+"""The crash-restore drill end to end: green on small defaults, and each fault trips its figure.
+
+These start real server processes, SIGKILL them and restore; the oracle reads only evidence.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e._oracle import ERROR_FIGURES
+
+pytestmark = pytest.mark.process
+
+SMALL = ["--rollouts", "4", "--checkpoints", "3", "--crashes", "2", "--concurrency", "4"]
+
+
+def _drill(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    completed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "e2e",
+            "drill",
+            "--json",
+            "--keep-dir",
+            str(tmp_path),
+            *SMALL,
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert completed.stdout.strip(), completed.stderr[-3000:]
+    return completed.returncode, json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -> None:
+    code, figures = _drill(tmp_path)
+    assert {name: figures[name] for name in ERROR_FIGURES} == dict.fromkeys(ERROR_FIGURES, 0), (
+        figures
+    )
+    assert code == 0, figures["failures"]
+    assert figures["completed"] == figures["rollouts"] == 4
+    assert figures["checkpoints"] >= 3 and figures["crashes"] == 2
+    assert all(n > 0 for n in figures["restored_per_crash"])
+    assert figures["held_delivered"] >= 1
+    assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
+
+
+@pytest.mark.parametrize(
+    ("fault", "figures_that_may_trip"),
+    [
+        ("rerun-from-input", {"repeated_model_calls"}),
+        ("skip-ledger-import", {"token_mismatches", "lost"}),
+        ("no-restore-fence", {"stale_accepted"}),
+        ("export-undelivered", {"repeated_model_calls", "token_mismatches"}),
+    ],
+)
+def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(
+    tmp_path: Path, fault: str, figures_that_may_trip: set[str]
+) -> None:
+    code, figures = _drill(tmp_path, "--fault", fault)
+    tripped = {name for name in ERROR_FIGURES if figures[name]}
+    assert tripped and tripped <= figures_that_may_trip, (fault, tripped, figures)
+    assert code == 1

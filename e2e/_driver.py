@@ -45,6 +45,7 @@ class DriverPlan:
     crash_after: bool
     concurrency: int = 4
     fault: str | None = None
+    commit_delay_s: float = 0.3
 
     @classmethod
     def load(cls, path: Path) -> DriverPlan:
@@ -189,6 +190,9 @@ class Driver:
                     self.retired[episode.rollout_id] = episode.attempt
                 await self.control.retire(f"retire-{checkpoint_id}", stragglers)
             return False
+        # A controller saves its own state between prepare and commit; meanwhile the generations
+        # in flight finish and their responses are held, so the commit must leave their rows out.
+        await anyio.sleep(self.plan.commit_delay_s)
         episodes = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         exported = set(commit.environment_episode_ids())

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from e2e._drill import FAULTS
 from e2e._oracle import ERROR_FIGURES
 
 pytestmark = pytest.mark.process
@@ -56,18 +57,24 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
 
 
 @pytest.mark.parametrize(
-    ("fault", "figures_that_may_trip"),
+    ("fault", "required", "allowed"),
     [
-        ("rerun-from-input", {"repeated_model_calls"}),
-        ("skip-ledger-import", {"token_mismatches", "lost"}),
-        ("no-restore-fence", {"stale_accepted"}),
-        ("export-undelivered", {"repeated_model_calls", "token_mismatches"}),
+        ("rerun-from-input", {"repeated_model_calls"}, {"repeated_model_calls"}),
+        ("skip-ledger-import", {"token_mismatches", "lost"}, {"token_mismatches", "lost"}),
+        ("no-restore-fence", {"stale_accepted"}, {"stale_accepted", "repeated_model_calls"}),
+        (
+            "export-undelivered",
+            {"repeated_model_calls", "token_mismatches"},
+            {"repeated_model_calls", "token_mismatches"},
+        ),
     ],
 )
 def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(
-    tmp_path: Path, fault: str, figures_that_may_trip: set[str]
+    tmp_path: Path, fault: str, required: set[str], allowed: set[str]
 ) -> None:
     code, figures = _drill(tmp_path, "--fault", fault)
     tripped = {name for name in ERROR_FIGURES if figures[name]}
-    assert tripped and tripped <= figures_that_may_trip, (fault, tripped, figures)
+    assert tripped & required, (fault, tripped, figures)
+    assert tripped <= allowed, (fault, tripped, figures)
+    assert FAULTS[fault] in required
     assert code == 1

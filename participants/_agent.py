@@ -175,8 +175,19 @@ class AgentParticipant(BaseParticipant):
             # past the boundary meanwhile: it counts as at the boundary, not as running.
             session.state = "at_boundary"
             self.changes.notify()
-            content = await self.peers.complete(key, list(session.conversation), task.max_tokens)
-            # A reply that arrives while a park is requested is held (errata §10.11).
+            if session.held_reply is not None:
+                # Restored with the reply the model had already delivered before the checkpoint:
+                # asking again would execute a delivered call a second time.
+                content, session.held_reply = session.held_reply, None
+            else:
+                content = await self.peers.complete(
+                    key, list(session.conversation), task.max_tokens
+                )
+                if not self.accepting and session.snapshot is not None:
+                    # A reply that arrives while a park is requested is held at the boundary
+                    # before its call (errata §10.11); the model counts it delivered, so an
+                    # export carries it with that boundary (decision D105).
+                    session.snapshot.held_reply = content
             await self._park_while_closed(session)
             session.state = "running"
             self.changes.notify()

@@ -66,6 +66,7 @@ class AgentSessionState(BaseModel):
     completed_activation: int = Field(ge=0)
     turn_in_activation: int = Field(ge=0)
     stored_reply: dict[str, Any] | None
+    held_reply: str | None = None
 
     @model_validator(mode="after")
     def _position_matches_conversation(self) -> AgentSessionState:
@@ -112,6 +113,7 @@ class Snapshot:
     completed_activation: int
     turn_in_activation: int
     stored_reply: dict[str, Any] | None
+    held_reply: str | None = None
 
     def boundary(self) -> dict[str, Any]:
         """The exported ``boundary`` object."""
@@ -133,6 +135,7 @@ class AgentSession:
     completed_activation: int = 0
     turn_in_activation: int = 0
     stored_reply: dict[str, Any] | None = None
+    held_reply: str | None = None
     state: SessionState = "idle"
     parked: bool = False
     restored_pending: bool = False
@@ -171,6 +174,7 @@ class AgentSession:
             state.completed_activation,
             state.turn_in_activation,
             state.stored_reply,
+            held_reply=state.held_reply,
             restored_pending=True,
         )
         session.stopped.set()
@@ -206,6 +210,7 @@ class AgentSession:
             "completed_activation": snap.completed_activation,
             "turn_in_activation": snap.turn_in_activation,
             "stored_reply": snap.stored_reply,
+            "held_reply": snap.held_reply,
         }
 
     def rewind(self) -> None:

@@ -191,6 +191,8 @@ async def test_a_model_reply_arriving_while_closed_is_held_at_the_boundary_befor
         [record] = await participant_of(client).export(None)
         assert record["boundary"] == {"at": "before_model_call", "activation": 1, "turn": 0}
         assert len(record["session"]["conversation"]) == 2
+        # The model counts that reply delivered: the export carries it with the boundary.
+        assert record["session"]["held_reply"] == expected[0][0]["content"]
         assert (await ctl(client, "resume", checkpoint_id="c1")).status_code == 200
         await wait_for(lambda: bool(replies), "the activation to finish")
     assert replies[0].json()["messages"] == expected[0]
@@ -238,6 +240,43 @@ async def test_a_restored_session_reissues_the_pending_model_call_and_repeats_no
     assert len(peers.model_calls) == 5
     assert len(peers.tool_calls) == 4, "no tool call may run twice"
     assert [key for key, *_ in peers.tool_calls] == [KEY, KEY, KEY, NEXT]
+
+
+async def test_a_held_reply_travels_with_the_checkpoint_and_is_never_asked_again(
+    tmp_path: Path,
+) -> None:
+    peers = FakePeers()
+    peers.new_session()
+    peers.model_gates[1] = anyio.Event()
+    expected = expected_episode(ROLLOUT, TASK)
+    directory = str(tmp_path / "ckpt")
+    scope = [{"rollout_id": ROLLOUT, "attempt": 0}]
+    async with agent(peers, tmp_path) as client, anyio.create_task_group() as group:
+        await seed(client)
+        group.start_soon(activate, client, 1)
+        await wait_for(lambda: len(peers.model_calls) == 1, "the first model call")
+        assert (await ctl(client, "prepare", checkpoint_id="c1")).json()["phase"] == "prepared"
+        peers.model_gates[1].set()  # the model delivered it; it reaches the closed agent
+        session = participant_of(client).sessions[KEY]
+        await wait_for(lambda: session.parked, "the reply to be held")
+        commit = await ctl(
+            client, "commit", checkpoint_id="c1", checkpoint_dir=directory, episode_ids=scope
+        )
+        assert commit.status_code == 200, commit.text
+        group.cancel_scope.cancel()  # the crash
+    assert len(peers.model_calls) == 1
+    async with agent(peers, tmp_path) as client:
+        restore = await ctl(
+            client, "restore", checkpoint_id="c2", checkpoint_dir=directory, episode_ids=scope
+        )
+        assert restore.status_code == 200, restore.text
+        assert (await ctl(client, "resume", checkpoint_id="c2")).status_code == 200
+        reply = await activate(client, 1, NEXT)
+        assert reply.status_code == 200, reply.text
+    assert reply.json()["messages"] == expected[0]
+    # The held (delivered) call was taken from the checkpoint, not executed again.
+    assert len(peers.model_calls) == 2
+    assert peers.model_calls[1][0] == NEXT
 
 
 async def test_retire_cancels_a_running_activation_and_frees_its_session(tmp_path: Path) -> None:

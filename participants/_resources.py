@@ -7,7 +7,9 @@ and moves session state in and out of checkpoints through :class:`ResourcesSessi
 
 The server wraps each data request in :meth:`ResourcesParticipant.admit` and reports the session
 lifecycle with :meth:`~ResourcesParticipant.bind_session` (a seed) and
-:meth:`~ResourcesParticipant.end_session` (verify or close).
+:meth:`~ResourcesParticipant.end_session` (verify or close). A server whose sessions start or
+end where no request shows it calls :meth:`~ResourcesParticipant.session_started` and
+:meth:`~ResourcesParticipant.session_ended` instead.
 """
 
 from __future__ import annotations
@@ -217,6 +219,34 @@ class ResourcesParticipant(BaseParticipant):
         if session is None or session.retired:
             return  # nothing bound, or retired: its retire frees it
         if not admission.counted and not self.accepting:
+            session.end_deferred = True
+            return
+        await self._free(session)
+
+    async def session_started(self, session_id: str, episode_id: EpisodeId) -> None:
+        """A session began outside any seed request (a hidden lifecycle): track it.
+
+        For servers whose sessions start on a route the middleware cannot recognise. A checkpoint
+        that is open does not delay it: the caller already runs, and the session is exported (or
+        reported as a restart) like any other from the next prepare on.
+
+        Raises:
+            StaleAttemptError: The attempt is retired or fenced; the new state is freed.
+            CheckpointError: The id is already tracked.
+        """
+        self._served = True  # a process that tracked a session may no longer restore
+        await self.bind_session(session_id, episode_id)
+
+    async def session_ended(self, session_id: str) -> None:
+        """A session ended outside any verify or close request (a hidden lifecycle): free it.
+
+        While a checkpoint is open the free waits for resume, so the state the prepare saw is the
+        state the commit exports. An unknown or retired session is a no-op (retire frees those).
+        """
+        session = self.sessions.get(session_id)
+        if session is None or session.retired:
+            return
+        if not self.accepting:
             session.end_deferred = True
             return
         await self._free(session)

@@ -316,3 +316,27 @@ async def test_a_hidden_session_of_a_retired_attempt_is_refused_and_freed() -> N
             await participant.session_started("h1", R1)
         assert participant.sessions == {} and participant.hooks.freed == ["h1"]
         assert participant.served_live_work()  # a process that tracked a session cannot restore
+
+
+async def test_a_mutation_in_flight_holds_prepare_and_is_in_the_exported_state() -> None:
+    participant = make()
+    events: list[str] = []
+    async with plane_of(participant) as plane:
+        await seed(participant, R1, "s1")
+        assert isinstance(participant.hooks, FakeHooks)
+
+        async def prepare() -> None:
+            reply = await plane.prepare(request("c1"))
+            events.append(reply.phase.value)
+
+        async with (
+            anyio.create_task_group() as group,
+            participant.admit("tool", episode_id=R1, session_id="s1"),
+        ):
+            group.start_soon(prepare)
+            await until(participant, lambda: not participant.accepting)
+            participant.hooks.states["s1"] = {"value": 2}  # the mutation lands late
+            events.append("mutated")
+        assert events == ["mutated", "prepared"]
+        [record] = await participant.export(None)
+        assert record["state"] == {"value": 2}

@@ -264,7 +264,6 @@ class ResourcesParticipant(BaseParticipant):
         if self.accepting:
             self.accepting = False
             self._opened = anyio.Event()
-            self.changes.notify()  # watchers of admission (tests, status) see the close
 
     async def open_admission(self) -> None:
         """Release the waiting requests, then free sessions whose end was deferred."""

@@ -21,14 +21,12 @@ from typing import Any
 
 import anyio
 import structlog
-from pydantic import ValidationError
 
 from protocols import (
     AdmissionClosedError,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
-    InvalidCheckpointStateError,
     ParticipantKind,
     PrepareReport,
     RetireIncompleteError,
@@ -48,6 +46,7 @@ from ._resources_types import (
     ResourcesSession,
     ResourcesSessionHooks,
     VerifyMode,
+    parse_session_records,
 )
 
 _log = structlog.get_logger("midflight.resources")
@@ -224,11 +223,9 @@ class ResourcesParticipant(BaseParticipant):
         await self._free(session)
 
     async def session_started(self, session_id: str, episode_id: EpisodeId) -> None:
-        """A session began outside any seed request (a hidden lifecycle): track it.
+        """A session began where no seed request shows it (a hidden lifecycle): track it.
 
-        For servers whose sessions start on a route the middleware cannot recognise. A checkpoint
-        that is open does not delay it: the caller already runs, and the session is exported (or
-        reported as a restart) like any other from the next prepare on.
+        An open checkpoint does not delay it; from the next prepare on it is like any other.
 
         Raises:
             StaleAttemptError: The attempt is retired or fenced; the new state is freed.
@@ -364,22 +361,7 @@ class ResourcesParticipant(BaseParticipant):
             raise CheckpointError("restore needs a resources server that has not served sessions")
         if records and self.mode != "exported":
             raise CheckpointError(f"a {self.mode} resources server cannot restore session state")
-        bound: dict[str, EpisodeId] = {}
-        states: dict[str, Any] = {}
-        for index, record in enumerate(records):
-            session_id = record.get("session_id")
-            if set(record) != {"episode_id", "session_id", "state"} or not isinstance(
-                session_id, str
-            ):
-                raise InvalidCheckpointStateError(f"record {index} is not a resources session")
-            if not session_id or session_id in bound:
-                raise InvalidCheckpointStateError(f"record {index}: bad or repeated session id")
-            try:
-                episode = EpisodeId.model_validate(record["episode_id"])
-            except ValidationError as exc:
-                raise InvalidCheckpointStateError(f"record {index}: {exc}") from None
-            bound[session_id] = episode.next_attempt()
-            states[session_id] = record["state"]
+        bound, states = parse_session_records(records)
         if states:
             await self.hooks.restore_session_states(states)
         for session_id, episode in bound.items():

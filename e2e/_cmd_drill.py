@@ -10,6 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from participants import RESOURCES_MODES, VERIFY_MODES
+
 from ._drill import FAULTS, DrillOptions, run_drill
 from ._oracle import ERROR_FIGURES
 from ._output import JsonOption, console, emit, error_console
@@ -20,6 +22,7 @@ SHOWN = (
     "checkpoints",
     "crashes",
     "restored",
+    "restarted",
     "lost",
     "token_mismatches",
     "reward_mismatches",
@@ -52,6 +55,13 @@ def register(app: typer.Typer) -> None:
         fault: Annotated[
             str | None, typer.Option(help="Inject a fault: " + ", ".join(sorted(FAULTS)))
         ] = None,
+        verify: Annotated[
+            str, typer.Option(help="The resources server's verify mode: wait or replay.")
+        ] = "wait",
+        resources_mode: Annotated[
+            str,
+            typer.Option(help="The resources server's mode: exported, stateless, restart_only."),
+        ] = "exported",
         keep_dir: Annotated[
             Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
         ] = None,
@@ -60,6 +70,12 @@ def register(app: typer.Typer) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
         if fault is not None and fault not in FAULTS:
             raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
+        if verify not in VERIFY_MODES:
+            raise typer.BadParameter(f"unknown verify mode {verify!r}; known: {list(VERIFY_MODES)}")
+        if resources_mode not in RESOURCES_MODES:
+            raise typer.BadParameter(
+                f"unknown resources mode {resources_mode!r}; known: {list(RESOURCES_MODES)}"
+            )
         options = DrillOptions(
             rollouts=rollouts,
             checkpoints=checkpoints,
@@ -68,6 +84,8 @@ def register(app: typer.Typer) -> None:
             token_delay_ms=token_delay_ms,
             concurrency=concurrency,
             fault=fault,
+            verify=verify,
+            resources_mode=resources_mode,
         )
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
         lines: list[str] = []

@@ -51,6 +51,8 @@ class DrillOptions:
     concurrency: int = 4
     fault: str | None = None
     phase_timeout_s: float = 120.0
+    verify: str = "wait"
+    resources_mode: str = "exported"
 
 
 class DriverProcess:
@@ -150,7 +152,10 @@ def run_cluster(
     }
     evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
     supervisor_options = SupervisorOptions(
-        role_options={"worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed}},
+        role_options={
+            "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
+            "resources": {"mode": options.resources_mode, "verify": options.verify},
+        },
         env=env,
     )
     with Supervisor(root, token, supervisor_options) as supervisor:

@@ -193,12 +193,16 @@ class Driver:
         # A controller saves its own state between prepare and commit; meanwhile the generations
         # in flight finish and their responses are held, so the commit must leave their rows out.
         await anyio.sleep(self.plan.commit_delay_s)
-        episodes = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
+        # A rollout some server cannot capture (a restart-only resources server) stays out of the
+        # commit scope: after a crash it is retired and run again from its input.
+        restarts = {e.capture_key for e in prepared.restarts()}
+        in_scope = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
+        episodes = prepared.continued(in_scope)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         exported = set(commit.environment_episode_ids())
         for rollout, attempt in scope.items():  # replies already on the wire finish first
             key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
-            if key not in exported and rollout in self.done_events:
+            if key not in exported and key not in restarts and rollout in self.done_events:
                 with anyio.move_on_after(DEADLINE_SECONDS):
                     await self.done_events[rollout].wait()
         continued = [e for e in episodes if e.capture_key in exported]
@@ -212,6 +216,7 @@ class Driver:
                 "id": checkpoint_id,
                 "dir": str(directory),
                 "continued": [e.capture_key for e in continued],
+                "restarts": sorted(restarts),
             }
         )
         await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
@@ -223,6 +228,7 @@ class Driver:
         """Restore from LATEST; return the (rollout, attempt) pairs to dispatch first."""
         latest = await self.control.read_latest(self.root)
         self.state = ControllerState.from_json(latest["controller_state"])
+        restarts = self.restarts_of(latest["checkpoint_id"])
         continued = [EpisodeId.model_validate(e) for e in latest["continued"]]
         restore_id = f"restore-{self.plan.phase}"
         restored: list[str] = []
@@ -255,6 +261,8 @@ class Driver:
         ]
         if to_retire:
             await self.control.retire(f"retire-{restore_id}", to_retire)
+        restarted = sorted(e.capture_key for e in to_retire if e.rollout_id in restarts)
+        await self.log({"event": "restarted", "crash": self.plan.phase, "rollouts": restarted})
         await self.probe_stale([*continued[:2], *to_retire[:1]])
         plan: list[tuple[str, int]] = []
         for episode in continued:
@@ -263,6 +271,15 @@ class Driver:
         for episode in to_retire:
             plan.append((episode.rollout_id, episode.attempt + 1))
         return plan
+
+    def restarts_of(self, checkpoint_id: str) -> set[str]:
+        """The rollouts the checkpoint ``checkpoint_id`` reported as restarts (from evidence)."""
+        return {
+            EpisodeId.from_capture_key(key).rollout_id
+            for event in read_evidence(self.evidence.path)
+            if event.get("event") == "checkpoint" and event.get("id") == checkpoint_id
+            for key in event.get("restarts", [])
+        }
 
     async def probe_stale(self, fenced: list[EpisodeId]) -> None:
         """Send late requests of fenced attempts to every participant kind; log each answer."""

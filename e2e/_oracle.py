@@ -95,7 +95,9 @@ class Figures:
             reasons.append(f"only {v['checkpoints']} checkpoints (need 3)")
         if v["crashes"] < 2:
             reasons.append(f"only {v['crashes']} crashes (need 2)")
-        if any(n == 0 for n in v["restored_per_crash"]):
+        # A crash must bring rollouts back: restored, or (restart-only resources) run again.
+        restarted = v.get("restarted_per_crash") or [0] * len(v["restored_per_crash"])
+        if any(n + r == 0 for n, r in zip(v["restored_per_crash"], restarted, strict=False)):
             reasons.append("a crash restored nothing")
         if v["held_delivered"] < 1:
             reasons.append("no response was held through a checkpoint")
@@ -172,6 +174,10 @@ def compute_figures(
         "crashes": len(crashes),
         "restored": sum(len(r.get("restored", [])) for r in restores),
         "restored_per_crash": [len(r.get("restored", [])) for r in restores],
+        "restarted": sum(len(e["rollouts"]) for e in driver if e.get("event") == "restarted"),
+        "restarted_per_crash": [
+            len(e["rollouts"]) for e in driver if e.get("event") == "restarted"
+        ],
         "lost": rollouts - len(outcomes),
         "token_mismatches": token_mismatches,
         "reward_mismatches": reward_mismatches,

@@ -7,7 +7,9 @@ and moves session state in and out of checkpoints through :class:`ResourcesSessi
 
 The server wraps each data request in :meth:`ResourcesParticipant.admit` and reports the session
 lifecycle with :meth:`~ResourcesParticipant.bind_session` (a seed) and
-:meth:`~ResourcesParticipant.end_session` (verify or close).
+:meth:`~ResourcesParticipant.end_session` (verify or close). A server whose sessions start or
+end where no request shows it calls :meth:`~ResourcesParticipant.session_started` and
+:meth:`~ResourcesParticipant.session_ended` instead.
 """
 
 from __future__ import annotations
@@ -19,14 +21,12 @@ from typing import Any
 
 import anyio
 import structlog
-from pydantic import ValidationError
 
 from protocols import (
     AdmissionClosedError,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
-    InvalidCheckpointStateError,
     ParticipantKind,
     PrepareReport,
     RetireIncompleteError,
@@ -46,6 +46,7 @@ from ._resources_types import (
     ResourcesSession,
     ResourcesSessionHooks,
     VerifyMode,
+    parse_session_records,
 )
 
 _log = structlog.get_logger("midflight.resources")
@@ -221,6 +222,32 @@ class ResourcesParticipant(BaseParticipant):
             return
         await self._free(session)
 
+    async def session_started(self, session_id: str, episode_id: EpisodeId) -> None:
+        """A session began where no seed request shows it (a hidden lifecycle): track it.
+
+        An open checkpoint does not delay it; from the next prepare on it is like any other.
+
+        Raises:
+            StaleAttemptError: The attempt is retired or fenced; the new state is freed.
+            CheckpointError: The id is already tracked.
+        """
+        self._served = True  # a process that tracked a session may no longer restore
+        await self.bind_session(session_id, episode_id)
+
+    async def session_ended(self, session_id: str) -> None:
+        """A session ended outside any verify or close request (a hidden lifecycle): free it.
+
+        While a checkpoint is open the free waits for resume, so the state the prepare saw is the
+        state the commit exports. An unknown or retired session is a no-op (retire frees those).
+        """
+        session = self.sessions.get(session_id)
+        if session is None or session.retired:
+            return
+        if not self.accepting:
+            session.end_deferred = True
+            return
+        await self._free(session)
+
     async def _free(self, session: ResourcesSession) -> None:
         await self.hooks.retire_session_state(session.session_id)
         if self.sessions.get(session.session_id) is session:
@@ -334,22 +361,7 @@ class ResourcesParticipant(BaseParticipant):
             raise CheckpointError("restore needs a resources server that has not served sessions")
         if records and self.mode != "exported":
             raise CheckpointError(f"a {self.mode} resources server cannot restore session state")
-        bound: dict[str, EpisodeId] = {}
-        states: dict[str, Any] = {}
-        for index, record in enumerate(records):
-            session_id = record.get("session_id")
-            if set(record) != {"episode_id", "session_id", "state"} or not isinstance(
-                session_id, str
-            ):
-                raise InvalidCheckpointStateError(f"record {index} is not a resources session")
-            if not session_id or session_id in bound:
-                raise InvalidCheckpointStateError(f"record {index}: bad or repeated session id")
-            try:
-                episode = EpisodeId.model_validate(record["episode_id"])
-            except ValidationError as exc:
-                raise InvalidCheckpointStateError(f"record {index}: {exc}") from None
-            bound[session_id] = episode.next_attempt()
-            states[session_id] = record["state"]
+        bound, states = parse_session_records(records)
         if states:
             await self.hooks.restore_session_states(states)
         for session_id, episode in bound.items():

@@ -6,7 +6,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
-from protocols import EpisodeId
+from pydantic import ValidationError
+
+from protocols import EpisodeId, InvalidCheckpointStateError
 
 ResourcesMode = Literal["exported", "stateless", "restart_only"]
 """How a server's sessions survive a checkpoint: exported state, nothing needed, or a restart."""
@@ -66,3 +68,28 @@ class ResourcesAdmission:
     episode_id: EpisodeId | None
     session: ResourcesSession | None
     counted: bool
+
+
+def parse_session_records(
+    records: Sequence[Mapping[str, Any]],
+) -> tuple[dict[str, EpisodeId], dict[str, Any]]:
+    """Validate exported session records: (session id → next attempt, session id → state).
+
+    Raises:
+        InvalidCheckpointStateError: A record is malformed or two name the same session.
+    """
+    bound: dict[str, EpisodeId] = {}
+    states: dict[str, Any] = {}
+    for index, record in enumerate(records):
+        session_id = record.get("session_id")
+        if set(record) != {"episode_id", "session_id", "state"} or not isinstance(session_id, str):
+            raise InvalidCheckpointStateError(f"record {index} is not a resources session")
+        if not session_id or session_id in bound:
+            raise InvalidCheckpointStateError(f"record {index}: bad or repeated session id")
+        try:
+            episode = EpisodeId.model_validate(record["episode_id"])
+        except ValidationError as exc:
+            raise InvalidCheckpointStateError(f"record {index}: {exc}") from None
+        bound[session_id] = episode.next_attempt()
+        states[session_id] = record["state"]
+    return bound, states

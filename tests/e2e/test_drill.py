@@ -56,6 +56,34 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
 
 
+def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseline(
+    tmp_path: Path,
+) -> None:
+    code, figures = _drill(tmp_path, "--resources-mode", "restart_only")
+    assert {name: figures[name] for name in ERROR_FIGURES} == dict.fromkeys(ERROR_FIGURES, 0), (
+        figures
+    )
+    assert code == 0, figures["failures"]
+    assert figures["completed"] == figures["rollouts"] == 4
+    # Nothing of a restart-only rollout is exported: every crash brings rollouts back by rerun.
+    assert figures["restored"] == 0
+    assert all(n > 0 for n in figures["restarted_per_crash"]), figures
+    checkpoints = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "evidence" / "driver.jsonl").read_text().splitlines()
+        if '"checkpoint"' in line
+    ]
+    assert any(c.get("restarts") for c in checkpoints if c["event"] == "checkpoint")
+    assert all(c["continued"] == [] for c in checkpoints if c["event"] == "checkpoint")
+
+
+@pytest.mark.soak
+def test_with_replayed_verify_the_drill_is_green(tmp_path: Path) -> None:
+    code, figures = _drill(tmp_path, "--verify", "replay")
+    assert code == 0, figures["failures"]
+    assert figures["completed"] == 4 and all(n > 0 for n in figures["restored_per_crash"])
+
+
 @pytest.mark.parametrize(
     ("fault", "required", "allowed"),
     [

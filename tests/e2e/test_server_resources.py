@@ -248,7 +248,10 @@ async def test_restore_is_refused_by_a_process_that_served_sessions(tmp_path: Pa
         assert code(again) == (409, "checkpoint_error")
 
 
-async def test_a_stateless_server_refuses_a_restore_with_records(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["stateless", "restart_only"])
+async def test_a_server_that_exports_nothing_refuses_a_restore_with_records(
+    tmp_path: Path, mode: str
+) -> None:
     checkpoint = tmp_path / "ckpt"
     async with resources(tmp_path) as (client, _app):
         await seed(client, "r1")
@@ -256,7 +259,7 @@ async def test_a_stateless_server_refuses_a_restore_with_records(tmp_path: Path)
         await control(
             client, "commit", checkpoint_id="c1", checkpoint_dir=str(checkpoint), episode_ids=None
         )
-    async with resources(tmp_path, mode="stateless") as (client, app):
+    async with resources(tmp_path, mode=mode) as (client, app):
         refused = await control(
             client,
             "restore",
@@ -287,3 +290,52 @@ async def test_retired_attempts_get_stale_attempt_until_forget(tmp_path: Path) -
         forgot = await control(client, "forget", checkpoint_id="x", rollout_ids=["r1"])
         assert forgot.json() == {"forgotten": ["r1"]}
         assert (await client.post("/ng-rollout/r1/seed_session", json=TASK)).status_code == 200
+
+
+async def _slow_verify_during_prepare(
+    tmp_path: Path, verify: str
+) -> tuple[list[str], list[dict[str, Any]]]:
+    """Prepare while a 3 s verify runs; the order things finished in and what the commit wrote."""
+    checkpoint = tmp_path / "ckpt"
+    order: list[str] = []
+    async with resources(tmp_path, verify=verify, verify_delay_ms=3000) as (client, app):
+        participant: ResourcesParticipant = app.state.participant
+        sid = await seed(client, "r1")
+        await tool(client, "r1", sid, "add", 4)
+
+        async def verify_call() -> None:
+            reply = await client.post("/ng-rollout/r1/verify", headers=cookie(sid))
+            assert reply.json() == {"reward": 0.05}, reply.text
+            order.append("verified")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(verify_call)
+            if verify == "wait":  # a counted verify: make sure it is in flight first
+                await until(participant, lambda: participant.inflight == 1)
+            prepared = await control(client, "prepare", checkpoint_id="c1")
+            order.append(prepared.json()["phase"])
+            await control(
+                client, "commit", checkpoint_id="c1", checkpoint_dir=str(checkpoint),
+                episode_ids=None,
+            )  # fmt: skip
+        await control(client, "resume", checkpoint_id="c1")
+        assert participant.sessions == {}  # ended by the verify (a replayable one at resume)
+    share = read_participant_checkpoint(
+        checkpoint / "gym" / "resources" / "resources", kind="resources", instance="resources"
+    )
+    return order, list(share.records)
+
+
+async def test_a_slow_wait_verify_holds_prepare_and_is_not_exported(tmp_path: Path) -> None:
+    order, records = await _slow_verify_during_prepare(tmp_path, "wait")
+    assert order == ["verified", "prepared"]
+    assert records == []  # its session ended before the checkpoint: nothing to re-run
+
+
+async def test_a_slow_replay_verify_does_not_hold_prepare_and_its_session_is_exported(
+    tmp_path: Path,
+) -> None:
+    order, records = await _slow_verify_during_prepare(tmp_path, "replay")
+    assert order == ["prepared", "verified"]
+    # The session is in the checkpoint, so a restore can run the verify again from it.
+    assert [r["state"] for r in records] == [{"value": 5, "notes": []}]

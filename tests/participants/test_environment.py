@@ -371,3 +371,33 @@ async def test_a_failing_replay_step_while_closed_exports_no_boundary_and_report
         await env.resume("c1")
         outcome = await env.outcome("r1")
     assert outcome.failure == {"code": "internal_error", "detail": "agent vanished"}
+
+
+@pytest.mark.parametrize("verify_mode", ["replay", "wait"])
+async def test_a_verify_in_flight_at_the_checkpoint_is_rerun_after_restore_only_in_replay_mode(
+    tmp_path: Path, verify_mode: str
+) -> None:
+    async with environment(tmp_path, ScriptedPeers(verify_mode=verify_mode)) as first:
+        first.peers.hold("verify")
+        first.start("r1")
+        await first.peers.entered["verify"].wait()
+        if verify_mode == "wait":  # the verify holds prepare until it has finished
+            assert await first.prepare("c1", seconds=0.2) is Phase.PREPARING
+            first.peers.release("verify")
+        assert await first.prepare("c1") is Phase.PREPARED
+        await first.commit("c1", ["r1"])  # the crash comes before any resume
+    fresh = ScriptedPeers(verify_mode=verify_mode)
+    async with environment(tmp_path, fresh) as second:
+        await second.plane.restore(
+            RestoreRequest(
+                checkpoint_id="r-1",
+                deadline_ts=soon(),
+                checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")],
+            )
+        )
+        await second.resume("r-1")
+        second.start("r1-a1")
+        assert (await second.outcome("r1-a1")).result["reward"] == 0.42
+    assert "seed_resources" not in fresh.names()  # continued from the checkpoint, not rerun
+    assert ("verify" in fresh.names("r1-a1")) is (verify_mode == "replay")

@@ -285,3 +285,48 @@ async def test_restart_only_reports_restarts_and_never_blocks_prepare() -> None:
                 async with participant.admit("tool", episode_id=R1, session_id="s1"):
                     pass
         assert await participant.export(None) == []
+
+
+async def test_hidden_lifecycle_calls_track_export_and_free_a_session() -> None:
+    participant = make()
+    async with plane_of(participant) as plane:
+        assert isinstance(participant.hooks, FakeHooks)
+        participant.hooks.states["h1"] = {"value": 5}
+        await participant.session_started("h1", R1)
+        reply = await plane.prepare(request("c1"))
+        assert reply.phase is Phase.PREPARED
+        await participant.session_ended("h1")  # while open: the state the prepare saw stays
+        assert [r["session_id"] for r in await participant.export(None)] == ["h1"]
+        assert participant.hooks.freed == []
+        await plane.resume(request("c1"))
+        assert participant.hooks.freed == ["h1"] and participant.sessions == {}
+        await participant.session_ended("h1")  # already gone: a no-op
+        assert participant.hooks.freed == ["h1"]
+
+
+async def test_a_hidden_session_of_a_retired_attempt_is_refused_and_freed() -> None:
+    participant = make()
+    async with plane_of(participant) as plane:
+        await plane.retire(
+            RetireRequest(checkpoint_id="t1", episode_ids=[R1], deadline_ts=time.time() + 10)
+        )
+        assert isinstance(participant.hooks, FakeHooks)
+        participant.hooks.states["h1"] = {"value": 5}
+        with pytest.raises(StaleAttemptError):
+            await participant.session_started("h1", R1)
+        assert participant.sessions == {} and participant.hooks.freed == ["h1"]
+        assert participant.served_live_work()  # a process that tracked a session cannot restore
+
+
+async def test_a_mutation_in_flight_holds_prepare_and_is_in_the_exported_state() -> None:
+    participant = make()
+    async with plane_of(participant) as plane:
+        await seed(participant, R1, "s1")
+        assert isinstance(participant.hooks, FakeHooks)
+        async with participant.admit("tool", episode_id=R1, session_id="s1"):
+            held = await plane.prepare(request("c1", seconds=0.3))
+            assert held.phase is Phase.PREPARING  # the tool has not finished
+            participant.hooks.states["s1"] = {"value": 2}  # the mutation lands late
+        assert (await plane.prepare(request("c1"))).phase is Phase.PREPARED
+        [record] = await participant.export(None)
+        assert record["state"] == {"value": 2}

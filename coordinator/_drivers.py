@@ -24,6 +24,7 @@ from protocols import (
     CommitReply,
     EpisodeId,
     ForgetReply,
+    MidflightError,
     ParticipantKind,
     Phase,
     PrepareReply,
@@ -115,6 +116,9 @@ class PrepareResult:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, MidflightError):
+        # The wire code first: it is what an operator greps for and what the error table lists.
+        return f"{error.code}: {error.detail}"
     return f"{type(error).__name__}: {error}"
 
 

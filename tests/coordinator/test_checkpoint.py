@@ -80,6 +80,8 @@ async def test_a_failed_commit_resumes_everyone_and_raises(tmp_path: Path) -> No
         with pytest.raises(CoordinationError) as caught:
             await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=30)
         assert caught.value.operation == "commit" and set(caught.value.failures) == {"policy"}
+        # each failing server is listed with its wire code and detail
+        assert "policy: checkpoint_error:" in str(caught.value)
         for name, plane in d.planes.items():
             assert plane.phase is Phase.IDLE, name
     assert read_latest(tmp_path) is None

@@ -6,9 +6,14 @@
   restore all-or-nothing, retire, forget, renew) and :class:`PrepareResult`;
 - :func:`publish_checkpoint` / :func:`read_latest`: the aggregate manifest and the ``LATEST``
   pointer;
+- :func:`checkpoint` and :class:`CheckpointOutcome`: prepare, commit, publish and resume in one
+  call, blockers handed back when a participant stays blocked;
+- :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
+  clean-up of what was published;
 - :class:`LedgerClient`: the client of a model server's capture-ledger routes.
 """
 
+from ._checkpoint import CheckpointOutcome, checkpoint
 from ._client import (
     DEFAULT_CONTROL_ATTEMPTS,
     STATUS_TIMEOUT_SECONDS,
@@ -23,6 +28,7 @@ from ._publish import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
     LATEST_FILE,
+    PUBLISH_FAULTS,
     CheckpointManifest,
     PublishedParticipant,
     checkpoint_directory,
@@ -31,6 +37,14 @@ from ._publish import (
     read_checkpoint,
     read_latest,
 )
+from ._retention import (
+    PINNED_FILE,
+    GcReport,
+    collect_garbage,
+    pin_checkpoint,
+    unpin_checkpoint,
+    verify_checkpoint,
+)
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",
@@ -38,21 +52,30 @@ __all__ = [
     "DEFAULT_CONTROL_ATTEMPTS",
     "DISCOVERY_ATTEMPTS",
     "LATEST_FILE",
+    "PINNED_FILE",
+    "PUBLISH_FAULTS",
     "STATUS_TIMEOUT_SECONDS",
     "CheckpointManifest",
+    "CheckpointOutcome",
     "ControlClient",
     "CoordinationError",
     "Coordinator",
+    "GcReport",
     "LedgerClient",
     "Member",
     "NotAParticipantError",
     "PrepareResult",
     "PublishedParticipant",
+    "checkpoint",
     "checkpoint_directory",
+    "collect_garbage",
     "discover",
     "is_retryable",
+    "pin_checkpoint",
     "publish_checkpoint",
     "publish_checkpoint_sync",
     "read_checkpoint",
     "read_latest",
+    "unpin_checkpoint",
+    "verify_checkpoint",
 ]

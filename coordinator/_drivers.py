@@ -24,6 +24,8 @@ from protocols import (
     CommitReply,
     EpisodeId,
     ForgetReply,
+    InvalidRolloutIdError,
+    MidflightError,
     ParticipantKind,
     Phase,
     PrepareReply,
@@ -100,6 +102,17 @@ class PrepareResult:
             if reply.phase != Phase.PREPARED
         }
 
+    def blocking_episodes(self) -> list[EpisodeId]:
+        """The episodes that kept prepare from completing (to retire and re-dispatch)."""
+        keys = {key for blockers in self.blockers().values() for key in blockers}
+        episodes = []
+        for key in sorted(keys):
+            try:
+                episodes.append(EpisodeId.from_capture_key(key))
+            except (InvalidRolloutIdError, ValueError):
+                continue  # a synthetic blocker (say, a lost worker) names no episode
+        return episodes
+
     def restarts(self) -> set[EpisodeId]:
         """Every episode some participant cannot capture: a rollout restarts if any part does."""
         return {
@@ -115,6 +128,9 @@ class PrepareResult:
 
 
 def _describe(error: BaseException) -> str:
+    if isinstance(error, MidflightError):
+        # The wire code first: it is what an operator greps for and what the error table lists.
+        return f"{error.code}: {error.detail}"
     return f"{type(error).__name__}: {error}"
 
 

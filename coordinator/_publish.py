@@ -13,6 +13,7 @@ fsync, rename, directory fsync.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -39,6 +40,8 @@ from ._drivers import Member
 CHECKPOINTS_SUBDIR: Final = "checkpoints"
 CHECKPOINT_FILE: Final = "checkpoint.json"
 LATEST_FILE: Final = "LATEST"
+PUBLISH_FAULTS: Final = frozenset({"latest-before-manifest"})
+"""Test-only faults of publication; ``latest-before-manifest`` moves ``LATEST`` first (wrong)."""
 
 
 class PublishedParticipant(BaseModel):
@@ -121,13 +124,18 @@ def publish_checkpoint_sync(
     commits: Mapping[str, CommitReply],
     continued: Sequence[EpisodeId],
     controller_state: JsonValue,
+    *,
+    fault: str | None = None,
 ) -> CheckpointManifest:
     """Blocking body of :func:`publish_checkpoint` (call it from a worker thread).
 
     Raises:
         InvalidCheckpointStateError: A member has no commit reply, its manifest is missing, or
             the manifest on disk is not the one its commit reply announced.
+        ValueError: An unknown fault.
     """
+    if fault is not None and fault not in PUBLISH_FAULTS:
+        raise ValueError(f"unknown publication fault {fault!r}; known: {sorted(PUBLISH_FAULTS)}")
     directory = checkpoint_directory(root, checkpoint_id)
     published: list[PublishedParticipant] = []
     staging: dict[str, list[str]] = {}
@@ -168,6 +176,9 @@ def publish_checkpoint_sync(
     directory.mkdir(parents=True, exist_ok=True)
     _fsync_directory(directory.parent)  # the checkpoint's own directory entry must survive too
     body = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+    if fault == "latest-before-manifest":
+        # Deliberately wrong, for the proof suite: a crash now leaves LATEST on a partial commit.
+        _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
     _replace_durably(directory / CHECKPOINT_FILE, body)
     # Only now may LATEST name it: a pointer never leads to a checkpoint without its manifest.
     _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
@@ -181,6 +192,8 @@ async def publish_checkpoint(
     commits: Mapping[str, CommitReply],
     continued: Sequence[EpisodeId],
     controller_state: JsonValue = None,
+    *,
+    fault: str | None = None,
 ) -> CheckpointManifest:
     """Publish a committed checkpoint: ``checkpoint.json`` last, then ``LATEST``.
 
@@ -193,12 +206,23 @@ async def publish_checkpoint(
         commits: Server name → its commit reply.
         continued: The commit scope.
         controller_state: The controller's own state (any JSON).
+        fault: A test-only fault from ``PUBLISH_FAULTS`` (never set it in production).
 
     Raises:
         InvalidCheckpointStateError: A participant's manifest is missing or not the committed one.
+        ValueError: An unknown fault.
     """
     return await anyio.to_thread.run_sync(
-        publish_checkpoint_sync, root, checkpoint_id, members, commits, continued, controller_state
+        functools.partial(
+            publish_checkpoint_sync,
+            root,
+            checkpoint_id,
+            members,
+            commits,
+            continued,
+            controller_state,
+            fault=fault,
+        )
     )
 
 

@@ -15,4 +15,6 @@ COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cmd_demo",
     "e2e._cmd_serve",
     "e2e._cmd_bench",
+    "e2e._cmd_control",
+    "e2e._cmd_retention",
 )

@@ -50,18 +50,6 @@ class CommitOutcome:
         )
 
 
-def blocking_episodes(result: PrepareResult) -> list[EpisodeId]:
-    """The episodes that kept a prepare from completing (stragglers to retire)."""
-    keys = {key for blockers in result.blockers().values() for key in blockers}
-    episodes = []
-    for key in sorted(keys):
-        try:
-            episodes.append(EpisodeId.from_capture_key(key))
-        except ValueError:
-            continue  # a synthetic blocker (a lost worker, say) names no episode
-    return episodes
-
-
 class ControlSession:
     """Control of one cluster by one controller incarnation."""
 

@@ -28,7 +28,7 @@ import httpx
 from protocols import EpisodeId
 
 from ._cluster import Cluster, read_cluster
-from ._control import ControlSession, blocking_episodes
+from ._control import ControlSession
 from ._evidence import EvidenceLog, read_evidence
 
 DEADLINE_SECONDS = 30.0
@@ -177,7 +177,7 @@ class Driver:
         prepared = await self.control.prepare(checkpoint_id, deadline)
         if not prepared.prepared:
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
-            stragglers = blocking_episodes(prepared)
+            stragglers = prepared.blocking_episodes()
             await self.log(
                 {
                     "event": "prepare_blocked",

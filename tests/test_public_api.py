@@ -77,11 +77,13 @@ PUBLIC = {
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "DEFAULT_CONTROL_ATTEMPTS",
-        "DISCOVERY_ATTEMPTS", "LATEST_FILE", "STATUS_TIMEOUT_SECONDS", "CheckpointManifest",
-        "ControlClient", "CoordinationError", "Coordinator", "LedgerClient", "Member",
-        "NotAParticipantError", "PrepareResult", "PublishedParticipant",
-        "checkpoint_directory", "discover", "is_retryable", "publish_checkpoint",
-        "publish_checkpoint_sync", "read_checkpoint", "read_latest",
+        "DISCOVERY_ATTEMPTS", "LATEST_FILE", "PINNED_FILE", "PUBLISH_FAULTS",
+        "STATUS_TIMEOUT_SECONDS", "CheckpointManifest", "CheckpointOutcome",
+        "ControlClient", "CoordinationError", "Coordinator", "GcReport", "LedgerClient",
+        "Member", "NotAParticipantError", "PrepareResult", "PublishedParticipant",
+        "checkpoint", "checkpoint_directory", "collect_garbage", "discover", "is_retryable",
+        "pin_checkpoint", "publish_checkpoint", "publish_checkpoint_sync",
+        "read_checkpoint", "read_latest", "unpin_checkpoint", "verify_checkpoint",
     ],
     "e2e": [
         "build_app", "main",

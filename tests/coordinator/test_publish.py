@@ -14,6 +14,7 @@ from coordinator import (
     LATEST_FILE,
     checkpoint_directory,
     publish_checkpoint,
+    publish_checkpoint_sync,
     read_checkpoint,
     read_latest,
 )
@@ -134,3 +135,48 @@ async def test_checkpoint_json_is_durable_before_latest_moves(
         "rename LATEST",
         "dirsync checkpoints",
     ]
+
+
+class Crash(Exception):
+    """Stands for the controller dying at one step of publication."""
+
+
+@pytest.mark.parametrize("fault", [None, "latest-before-manifest"])
+@pytest.mark.parametrize("crash_at", [CHECKPOINT_FILE, LATEST_FILE])
+async def test_a_crash_during_publication_never_leaves_latest_on_a_partial_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, crash_at: str, fault: str | None
+) -> None:
+    import coordinator._publish as publish
+
+    await _commit_and_publish(tmp_path, "c1", None)
+    real = publish._replace_durably
+
+    def crashing(path: Path, data: bytes) -> None:
+        if path.name == crash_at:
+            raise Crash(f"killed before {crash_at} was written")
+        real(path, data)
+
+    directory = str(checkpoint_directory(tmp_path, "c2"))
+    async with deployment() as d:
+        await d.coordinator.prepare("c2", time.time() + 30)
+        commits = await d.coordinator.commit("c2", time.time() + 30, directory, [])
+        monkeypatch.setattr(publish, "_replace_durably", crashing)
+        with pytest.raises(Crash):
+            publish.publish_checkpoint_sync(
+                tmp_path, "c2", d.coordinator.members, commits, [], None, fault=fault
+            )
+        monkeypatch.undo()
+        await d.coordinator.resume("c2", time.time() + 30)
+    if fault is not None and crash_at == CHECKPOINT_FILE:
+        # The fault moves LATEST first: the crash leaves it on a checkpoint without its manifest.
+        with pytest.raises(InvalidCheckpointStateError, match="c2"):
+            read_latest(tmp_path)
+        return
+    latest = read_latest(tmp_path)
+    assert latest is not None and latest.checkpoint_id == "c1"
+
+
+def test_an_unknown_publication_fault_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown publication fault"):
+        publish_checkpoint_sync(tmp_path, "c1", [], {}, [], None, fault="nope")
+    assert not (tmp_path / "checkpoints").exists()

@@ -1,0 +1,87 @@
+"""The high-level checkpoint: prepare, commit, publish, resume; blockers handed back."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coordinator import CoordinationError, checkpoint, read_latest
+from protocols import CheckpointError, EpisodeId, Phase
+
+from .deployment import deployment
+
+pytestmark = pytest.mark.anyio
+R1, R2, R3 = (EpisodeId(rollout_id=r) for r in ("r1", "r2", "r3"))
+
+
+async def test_checkpoint_publishes_the_continued_scope_and_resumes_everyone(
+    tmp_path: Path,
+) -> None:
+    async with deployment() as d:
+        for fake in d.fakes.values():
+            fake.episodes = [R1, R2, R3]
+        d.fakes["agent"].restarts = [R2.capture_key]
+        outcome = await checkpoint(
+            d.coordinator,
+            tmp_path,
+            "c1",
+            deadline_seconds=30,
+            episodes=[R1, R2, R3],
+            controller_state={"step": 7},
+        )
+        assert outcome.published and outcome.manifest is not None
+        assert outcome.manifest.continued == [R1, R3]
+        assert outcome.prepare.restarts() == {R2}
+        for name, plane in d.planes.items():
+            assert plane.phase is Phase.IDLE, name
+        # the reverse order: resources reopen first, the environment last
+        assert d.ops("open")[-1] == "environment"
+    latest = read_latest(tmp_path)
+    assert latest is not None and latest.checkpoint_id == "c1"
+    assert latest.controller_state == {"step": 7}
+
+
+async def test_without_a_scope_the_environment_export_minus_restarts_is_continued(
+    tmp_path: Path,
+) -> None:
+    async with deployment() as d:
+        for fake in d.fakes.values():
+            fake.episodes = [R1, R2]
+        d.fakes["policy"].restarts = [R1.capture_key]
+        outcome = await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=30)
+        assert outcome.manifest is not None and outcome.manifest.continued == [R2]
+
+
+async def test_blockers_come_back_after_everyone_resumed_and_nothing_is_published(
+    tmp_path: Path,
+) -> None:
+    async with deployment() as d:
+        d.fakes["agent"].ready_now = False
+        d.fakes["agent"].blockers = [R1.capture_key, "worker:lost"]
+        outcome = await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=0.5)
+        assert not outcome.published
+        assert outcome.prepare.blockers() == {"agent": [R1.capture_key, "worker:lost"]}
+        assert outcome.blocking_episodes() == [R1]
+        for name, plane in d.planes.items():
+            assert plane.phase is Phase.IDLE, name
+        assert "commit" not in {op for _, op, _ in d.log}
+    assert read_latest(tmp_path) is None
+    assert not (tmp_path / "checkpoints" / "c1" / "checkpoint.json").exists()
+
+
+async def test_a_failed_commit_resumes_everyone_and_raises(tmp_path: Path) -> None:
+    async with deployment() as d:
+
+        async def broken(episode_ids: object) -> list[object]:
+            raise CheckpointError("disk full")
+
+        d.fakes["policy"].export = broken  # type: ignore[method-assign,assignment]
+        with pytest.raises(CoordinationError) as caught:
+            await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=30)
+        assert caught.value.operation == "commit" and set(caught.value.failures) == {"policy"}
+        # each failing server is listed with its wire code and detail
+        assert "policy: checkpoint_error:" in str(caught.value)
+        for name, plane in d.planes.items():
+            assert plane.phase is Phase.IDLE, name
+    assert read_latest(tmp_path) is None

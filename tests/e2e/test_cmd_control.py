@@ -1,0 +1,166 @@
+"""The operator's control commands against real control planes served on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from typer.testing import CliRunner
+
+from coordinator import ControlClient, Coordinator, Member, read_latest
+from e2e._cli import build_app
+from e2e._cluster import Cluster, ServerEntry, write_cluster
+from participants import ControlPlane, participant_app
+from protocols import EpisodeId, ParticipantKind, Phase
+from tests.coordinator.deployment import TOKEN, Logged
+from tests.coordinator.test_client_end_to_end import _serve
+
+pytestmark = pytest.mark.anyio
+R1, R2 = EpisodeId(rollout_id="r1"), EpisodeId(rollout_id="r2")
+SHAPE: tuple[tuple[ParticipantKind, str, str], ...] = (
+    ("environment", "environment", "environment"),
+    ("model", "policy", "model"),
+    ("agent", "agent", "agent"),
+)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class Served:
+    cluster_file: Path
+    root: Path
+    fakes: dict[str, Logged]
+    planes: dict[str, ControlPlane]
+    urls: dict[str, str]
+    log: list[tuple[str, str, str]]
+
+
+@asynccontextmanager
+async def served(tmp_path: Path) -> AsyncIterator[Served]:
+    log: list[tuple[str, str, str]] = []
+    fakes: dict[str, Logged] = {}
+    planes: dict[str, ControlPlane] = {}
+    urls: dict[str, str] = {}
+    async with AsyncExitStack() as stack:
+        for kind, instance, _ in SHAPE:
+            fake = Logged(kind, instance, log)
+            fake.episodes = [R1, R2]
+            plane = ControlPlane(fake)
+            await stack.enter_async_context(plane.running())
+            urls[instance] = await stack.enter_async_context(
+                _serve(participant_app(plane, token=TOKEN))
+            )
+            fakes[instance], planes[instance] = fake, plane
+        root = tmp_path / "run"
+        root.mkdir()
+        servers = tuple(ServerEntry(i, role, urls[i]) for _, i, role in SHAPE)  # type: ignore[arg-type]
+        cluster_file = tmp_path / "cluster.toml"
+        write_cluster(cluster_file, Cluster(root=root, servers=servers))
+        yield Served(cluster_file, root, fakes, planes, urls, log)
+
+
+async def cli(*args: str) -> tuple[int, Any]:
+    """Run ``midflight ARGS --json`` in a worker thread (the command runs its own event loop)."""
+    runner = CliRunner()
+    result = await anyio.to_thread.run_sync(
+        lambda: runner.invoke(
+            build_app(), [*args, "--json"], env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
+        )
+    )
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    return result.exit_code, json.loads(lines[-1]) if lines else result.stdout
+
+
+async def test_status_json_names_the_participant_blocked_in_prepare(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+        agent = s.fakes["agent"]
+        agent.ready_now = False
+        agent.blockers = [R2.capture_key, R1.capture_key]
+        client = ControlClient(s.urls["agent"], token=TOKEN, attempts=1)
+        async with client, anyio.create_task_group() as group:
+            group.start_soon(client.prepare, "c1", time.time() + 20)
+            with anyio.fail_after(10):
+                while s.planes["agent"].phase is not Phase.PREPARING:  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            code, payload = await cli("status", "--cluster", str(s.cluster_file))
+            agent.become_ready()
+        assert code == 0
+        rows = {row["server"]: row for row in payload["participants"]}
+        assert set(rows) == {"environment", "policy", "agent"}
+        blocked = rows["agent"]
+        assert blocked["phase"] == "preparing" and blocked["checkpoint_id"] == "c1"
+        assert blocked["blocker_count"] == 2
+        assert blocked["blockers"] == sorted([R1.capture_key, R2.capture_key])
+        assert blocked["lease_left_s"] > 0
+        assert rows["policy"]["phase"] == "idle" and rows["policy"]["blocker_count"] == 0
+        member = Member(
+            "agent", "agent", s.urls["agent"], ControlClient(s.urls["agent"], token=TOKEN)
+        )
+        async with Coordinator([member]) as coordinator:
+            await coordinator.resume("c1", time.time() + 10)
+
+
+async def test_checkpoint_verify_restore_retire_forget_from_the_command_line(
+    tmp_path: Path,
+) -> None:
+    async with served(tmp_path) as s:
+        scope = tmp_path / "scope.json"
+        scope.write_text(json.dumps([R1.capture_key]))
+        cluster = ("--cluster", str(s.cluster_file))
+        code, out = await cli("checkpoint", *cluster, "--scope", str(scope), "--id", "c1")
+        assert code == 0 and out["published"] and out["continued"] == [R1.capture_key]
+        latest = read_latest(s.root)
+        assert latest is not None and latest.checkpoint_id == "c1"
+        code, out = await cli("verify", out["checkpoint_dir"])
+        assert code == 0 and out["problems"] == []
+        code, out = await cli("restore", *cluster)
+        assert code == 0 and out["checkpoint_id"] == "c1" and out["resumed"]
+        assert sorted(i for i, op, _ in s.log if op == "install") == sorted(s.fakes)
+        code, out = await cli("retire", *cluster, R2.capture_key)
+        assert code == 0 and sorted(out["participants"]) == sorted(s.fakes)
+        code, out = await cli("forget", *cluster, "r2")
+        assert code == 0 and out["forgotten"] == ["r2"]
+        assert [i for i, op, _ in s.log if op == "forget"] == ["environment", "agent", "policy"]
+        code, out = await cli("retire", *cluster, "not a key!")
+        assert code != 0
+        for name, plane in s.planes.items():
+            assert plane.phase is Phase.IDLE, name
+
+
+async def test_a_blocked_checkpoint_exits_3_with_its_blockers(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+        s.fakes["policy"].ready_now = False
+        s.fakes["policy"].blockers = [R1.capture_key]
+        code, out = await cli(
+            "checkpoint", "--cluster", str(s.cluster_file), "--id", "c1", "--deadline", "0.5"
+        )
+        assert code == 3 and not out["published"]
+        assert out["blockers"] == {"policy": [R1.capture_key]}
+        assert out["blocking_episodes"] == [R1.capture_key]
+        assert read_latest(s.root) is None
+        for name, plane in s.planes.items():
+            assert plane.phase is Phase.IDLE, name
+
+
+async def test_control_commands_need_the_token(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+        runner = CliRunner()
+        result = await anyio.to_thread.run_sync(
+            lambda: runner.invoke(
+                build_app(),
+                ["status", "--cluster", str(s.cluster_file)],
+                env={"MIDFLIGHT_CONTROL_TOKEN": ""},
+            )
+        )
+        assert result.exit_code == 2 and "MIDFLIGHT_CONTROL_TOKEN" in result.output

@@ -207,6 +207,11 @@ async def test_a_restored_cut_attaches_only_to_a_matching_unconstrained_call() -
 async def test_a_restored_cut_survives_checkpoints_until_its_call_has_delivered() -> None:
     model, record = await _restored_with_cut()
     target = R1.next_attempt()
+    cancelled = await model.admit(target)
+    cancelled.request_digest = DIGEST
+    assert model.take_restored_cut(cancelled) is not None
+    model.release(cancelled)  # left without a response: the cut is not consumed
+    assert model.status_extra()["restored_generation_cuts"] == [target.capture_key]
     reissued = await model.admit(target)
     reissued.request_digest = DIGEST
     assert model.take_restored_cut(reissued) is not None

@@ -245,3 +245,30 @@ async def test_install_refuses_two_cuts_in_one_record_and_changes_nothing() -> N
     assert model.restored_pending() == []
     assert model.status_extra()["restored_generation_cuts"] == []
     assert len(model.ledger.export_rows("r1-a1")) == 1
+
+
+async def test_a_started_response_blocks_prepare_until_sent_and_new_calls_wait() -> None:
+    model = _model(FakeWorker())
+    streaming = await _on_worker(model)
+    await model.gate.deliver(streaming)  # its response has started before the close
+    await model.close_admission(_close())
+    assert not model.readiness().ready
+    assert streaming.cut is None  # a delivered call is never cut
+    admitted: list[ModelTicket] = []
+
+    async def new_call() -> None:
+        admitted.append(await model.admit(EpisodeId(rollout_id="r2")))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(new_call)
+        with anyio.fail_after(10):  # a bound on the wait, not an assertion on speed
+            while True:
+                seen = model.changes.version
+                if model.gate.waiting == 1:
+                    break
+                await model.changes.wait_past(seen)
+        model.release(streaming)
+        assert model.readiness().ready
+        assert admitted == []
+        await model.open_admission()
+    assert len(admitted) == 1

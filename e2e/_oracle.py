@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -96,7 +96,7 @@ def restored_cuts(checkpoint_dir: Path) -> dict[str, int]:
 
 
 def extra_tokens_generated(
-    restores: list[Mapping[str, Any]], worker: list[Mapping[str, Any]]
+    restores: Sequence[Mapping[str, Any]], worker: Sequence[Mapping[str, Any]]
 ) -> int:
     """Tokens generated again at positions a restored durable cut already covered.
 

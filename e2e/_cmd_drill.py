@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
         finally:
             if keep_dir is None:
                 shutil.rmtree(work, ignore_errors=True)
-        failures = figures.failed_checks()
+        failures = figures.failed_checks(require_cuts=True)
         figures.values["ok"] = not failures
         figures.values["failures"] = failures
 

@@ -32,6 +32,7 @@ FAULTS = {
     "skip-ledger-import": "token_mismatches",
     "no-restore-fence": "stale_accepted",
     "export-undelivered": "repeated_model_calls",
+    "ignore-cuts": "extra_tokens_generated",
 }
 """Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``)."""
 

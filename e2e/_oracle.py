@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -81,6 +81,53 @@ def _delivered_at(
     return delivered
 
 
+def restored_cuts(checkpoint_dir: Path) -> dict[str, int]:
+    """Target capture key → generated tokens of the durable cut a restore hands to it."""
+    cuts: dict[str, int] = {}
+    for manifest in (checkpoint_dir / "gym" / "model").glob("*/manifest.json"):
+        share = read_participant_checkpoint(
+            manifest.parent, kind="model", instance=manifest.parent.name
+        )
+        for record in share.records:
+            target = EpisodeId.model_validate(record["episode_id"]).next_attempt().capture_key
+            for cut in record.get("generation_cuts", []):
+                cuts[target] = int(cut["continuation"]["prefix_token_count"])
+    return cuts
+
+
+def extra_tokens_generated(
+    restores: Sequence[Mapping[str, Any]], worker: Sequence[Mapping[str, Any]]
+) -> int:
+    """Tokens generated again at positions a restored durable cut already covered.
+
+    The re-issued call of a cut episode is the first call of the restored attempt (the cut call
+    was undelivered, so the agent stood just before it). Its worker evidence says which positions
+    it took from the cut (``tokens_continued``) and which it generated (``tokens_generated``
+    after them); the overlap of the generated positions with the cut's prefix is waste.
+    """
+    extra = 0
+    for restore in restores:
+        for target, prefix in restored_cuts(Path(restore["checkpoint_dir"])).items():
+            if target not in restore.get("restored", []):
+                continue  # nothing was restored (a rerun from input): no cut was handed over
+            first = next(
+                (
+                    e
+                    for e in worker
+                    if e.get("event") == "generation"
+                    and e.get("capture_key") == target
+                    and e.get("at", 0.0) > restore["t"]
+                ),
+                None,
+            )
+            if first is None:
+                continue
+            start = int(first.get("tokens_continued", 0))
+            end = start + int(first.get("tokens_generated", 0))
+            extra += max(0, min(prefix, end) - start)
+    return extra
+
+
 @dataclass
 class Figures:
     """Every figure the drill reports (e2e-contract §6)."""
@@ -103,7 +150,8 @@ class Figures:
             reasons.append("no response was held through a checkpoint")
         if v["crashes"] and min(v["stale_probes_per_crash"] or [0]) < 4:
             reasons.append("fewer than 4 stale probes after a crash")
-        if require_cuts and v["cut_continued"] < 1:
+        # Only a restored episode can continue a cut: a run of restart-only rollouts has none.
+        if require_cuts and v["restored"] and v["cut_continued"] < 1:
             reasons.append("no continued generation cut")
         return reasons
 
@@ -185,7 +233,7 @@ def compute_figures(
         "redone_model_calls": redone,
         "held_delivered": sum(1 for e in egress if e.get("held")),
         "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),
-        "extra_tokens_generated": 0,
+        "extra_tokens_generated": extra_tokens_generated(restores, worker),
         "stale_probes": len(probes),
         "stale_probes_per_crash": [probes_per_crash[i] for i in range(1, len(crashes) + 1)],
         "stale_accepted": sum(1 for p in probes if p.get("accepted")),

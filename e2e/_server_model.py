@@ -6,6 +6,11 @@ its parent through the capture ledger's lineage matcher, has the worker generate
 a ``CaptureAdmission``, records the worker's commit coordinates as a custody row, then waits at
 egress while a checkpoint is open (the response is held) and logs the response to the evidence
 file, fsynced, before sending it. The control routes and the ledger routes are mounted beside it.
+
+When admission closes, the participant asks the worker, on a separate control connection pool
+(the data connections are busy with the very generations being cut), to cut the calls in flight.
+After a restore, a re-issued call whose request matches a restored cut sends the cut's
+continuation with its admission and the worker generates only the remainder.
 """
 
 from __future__ import annotations
@@ -27,11 +32,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
 from participants import (
+    DEFAULT_ADMISSION_WAIT_SECONDS,
     MODEL_FAULTS,
     ControlPlane,
     FileCaptureLedger,
     ModelParticipant,
     ModelTicket,
+    generation_cut_restart_reason,
     ledger_control_router,
     participant_app,
 )
@@ -46,10 +53,13 @@ from protocols import (
     CommitCoords,
     CompletionReply,
     EpisodeId,
+    GenerationCutInventory,
+    GenerationCutReceipt,
     InternalError,
     InvalidRequestError,
     LineageResolution,
     StaleAttemptError,
+    conversation_digest,
     decode,
     encode,
     render_prompt,
@@ -61,6 +71,58 @@ from ._evidence import EvidenceLog, read_evidence
 CHAT_ROUTE: Final = "/ng-rollout/{capture_key}/v1/chat/completions"
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
+GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
+CONTROL_POOL: Final = httpx.Limits(max_connections=8, max_keepalive_connections=4)
+
+
+def control_root(base_url: str) -> str:
+    """A worker's control root: its base URL without a trailing ``/`` and ``/v1``."""
+    root = base_url.rstrip("/")
+    return root[: -len("/v1")] if root.endswith("/v1") else root
+
+
+class HttpCutRequester:
+    """Asks workers to cut their calls, on a connection pool of its own.
+
+    Args:
+        control_token: The bearer token of the workers' control routes.
+        transport: Transport of the control client (tests inject one).
+    """
+
+    def __init__(
+        self, control_token: str | None, transport: httpx.AsyncBaseTransport | None = None
+    ) -> None:
+        self._token = control_token
+        self._transport = transport
+        self.client: httpx.AsyncClient | None = None
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[None]:
+        """The control client, for as long as the server runs."""
+        headers = {"authorization": f"Bearer {self._token}"} if self._token else {}
+        async with httpx.AsyncClient(
+            headers=headers, limits=CONTROL_POOL, transport=self._transport
+        ) as client:
+            self.client = client
+            try:
+                yield
+            finally:
+                self.client = None
+
+    async def __call__(
+        self, backend: str, inventory: GenerationCutInventory, budget_seconds: float
+    ) -> GenerationCutReceipt:
+        """POST the inventory to ``backend``; raise on anything but a 2xx receipt."""
+        if self.client is None:
+            raise RuntimeError("the cut requester is not running")
+        response = await self.client.post(
+            control_root(backend) + GENERATION_CUT_PATH,
+            content=inventory.model_dump_json(),
+            headers={"content-type": "application/json"},
+            timeout=max(budget_seconds, 0.001),
+        )
+        response.raise_for_status()
+        return GenerationCutReceipt.model_validate_json(response.content)
 
 
 class ChatMessage(BaseModel):
@@ -159,6 +221,8 @@ class PolicyServer:
         except ValueError as exc:  # a framing byte or a character outside Latin-1
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
+        ticket.request_digest = conversation_digest(messages)
+        ticket.restart_reason = generation_cut_restart_reason(body.model_dump())
         gate = self.participant.gate
         # Logged before the worker is asked: a call re-executed after a restore shows up even if
         # its response is never delivered.
@@ -199,16 +263,18 @@ class PolicyServer:
                             "model_call_id": ticket.model_call_id,
                             "request_digest": request_digest(prompt),
                             "response_tokens": len(tokens),
-                            "continued_cut": False,
+                            "continued_cut": ticket.claimed_cut is not None,
                             "held": ticket.held,
                             "t": time.time(),
                         },
                     )
                 handed_over = True
-                return _ReleasingResponse(reply, functools.partial(gate.release, ticket))
+                return _ReleasingResponse(
+                    reply, functools.partial(self.participant.release, ticket)
+                )
         finally:
             if not handed_over:
-                gate.release(ticket)
+                self.participant.release(ticket)
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 
     async def _generate(
@@ -226,7 +292,20 @@ class PolicyServer:
                 raise StaleAttemptError(f"the capture ledger of {key} is retired")
             # The call is served, but its tokens cannot be chained: poison it in the manifest.
             await self.ledger.record_failure(key, ticket.model_call_id, "unresolved_parent")
-        reply = await self._call_worker(prompt, body.max_tokens, admission)
+        ticket.backend = self.worker_url
+        self.participant.changes.notify()  # the call is now one a cut round would list
+        restored = self.participant.take_restored_cut(ticket) if admission is not None else None
+        if admission is not None and restored is not None:
+            continued = admission.model_copy(update={"generation_cut": restored.continuation})
+            try:
+                reply = await self._call_worker(prompt, body.max_tokens, continued)
+                admission = continued
+            except InvalidRequestError:
+                # The worker refused the cut before generating anything: regenerate instead.
+                ticket.claimed_cut = None
+                reply = await self._call_worker(prompt, body.max_tokens, admission)
+        else:
+            reply = await self._call_worker(prompt, body.max_tokens, admission)
         content = decode(reply.token_ids)
         if admission is not None:
             await self._record(key, ticket, messages, content, admission, resolution, reply)
@@ -245,6 +324,8 @@ class PolicyServer:
             raise CheckpointCoordinatorUnavailableError(
                 f"the inference worker at {self.worker_url} is unreachable: {exc!r}"
             ) from None
+        if response.status_code == 400 and admission is not None and admission.generation_cut:
+            raise InvalidRequestError(f"the worker refused the cut: {response.text[:500]}")
         if response.status_code != 200:
             raise InternalError(
                 f"the inference worker refused the call: {response.status_code} "
@@ -357,12 +438,18 @@ def create_model_app(
         admission_wait_seconds: Bound of a call waiting for resume (the gate's default if None).
     """
     capture = ledger if ledger is not None else FileCaptureLedger(ctx.root / "ledger")
-    options = (
-        {} if admission_wait_seconds is None else {"admission_wait_seconds": admission_wait_seconds}
-    )
     fault = active_fault()
+    requester = HttpCutRequester(ctx.control_token, worker_transport)
     participant = ModelParticipant(
-        capture, ctx.name, faults=[fault] if fault in MODEL_FAULTS else [], **options
+        capture,
+        ctx.name,
+        faults=[fault] if fault in MODEL_FAULTS else [],
+        cut_requester=requester,
+        admission_wait_seconds=(
+            DEFAULT_ADMISSION_WAIT_SECONDS
+            if admission_wait_seconds is None
+            else admission_wait_seconds
+        ),
     )
     server = PolicyServer(
         participant,
@@ -373,7 +460,7 @@ def create_model_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        async with server.running():
+        async with server.running(), requester.running():
             yield
 
     plane = ControlPlane(participant, settings=control_settings())

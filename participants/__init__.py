@@ -43,6 +43,7 @@ from ._ledger_memory import MemoryCaptureLedger
 from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
 from ._model import MODEL_FAULTS, ModelParticipant
+from ._model_cuts import CutRequester, generation_cut_restart_reason
 from ._model_gate import ModelTicket
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
@@ -101,6 +102,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "ControlTelemetry",
+    "CutRequester",
     "EnvironmentParticipant",
     "EnvironmentPeers",
     "EnvironmentRecord",
@@ -138,6 +140,7 @@ __all__ = [
     "control_router",
     "error_response",
     "fsync_directory",
+    "generation_cut_restart_reason",
     "install_error_envelope",
     "ledger_control_router",
     "make_directory_durable",

@@ -2,7 +2,8 @@
 
 A checkpoint of the policy server holds, per episode in scope, the episode's ledger rows minus
 the calls still undelivered (their responses are held; the agent will re-issue them after a
-restore), as ``{"episode_id", "rows", "generation_cuts": []}`` — generation cuts come later.
+restore), as ``{"episode_id", "rows", "generation_cuts"}``: at most one durable generation cut per
+episode (see :mod:`participants._model_cuts`), which the re-issued call continues.
 A restore, in a fresh process only, imports each scoped episode's rows as the ledger of its next
 attempt (stamping carried rows with the capture key they were staged under) and retires the
 ledgers of the attempts it continues, so a late row of the crashed attempt can never recreate one.
@@ -21,6 +22,7 @@ from protocols import (
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
+    GenerationCutRecord,
     InvalidCheckpointStateError,
     ParticipantKind,
     PrepareReport,
@@ -28,6 +30,8 @@ from protocols import (
     capture_key,
 )
 
+from ._clock import Clock, SystemClock
+from ._model_cuts import CutRequester, RestoredCuts, latest_cuts, run_cut_round
 from ._model_gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
 from ._participant import BaseParticipant, Record
 from ._report import build_report
@@ -57,7 +61,7 @@ def attempt_keys_through(episode: EpisodeId) -> list[str]:
     return [capture_key(episode.rollout_id, n) for n in range(episode.attempt + 1)]
 
 
-MODEL_FAULTS: Final = frozenset({"export-undelivered", "skip-ledger-import"})
+MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledger-import"})
 """Fault switches the model participant knows (``midflight drill --fault``)."""
 
 
@@ -68,6 +72,9 @@ class ModelParticipant(BaseParticipant):
         ledger: The capture ledger this server owns.
         instance: The server name (``policy`` in the reference deployment).
         admission_wait_seconds: Bound of a call waiting for a checkpoint to resume.
+        faults: Drill fault switches (:data:`MODEL_FAULTS`).
+        cut_requester: Asks a worker to cut its calls; ``None`` takes no generation cuts.
+        clock: Where the remaining prepare deadline is read (inject a ``ManualClock`` in tests).
     """
 
     kind: ParticipantKind = "model"
@@ -79,6 +86,8 @@ class ModelParticipant(BaseParticipant):
         *,
         admission_wait_seconds: float = DEFAULT_ADMISSION_WAIT_SECONDS,
         faults: Collection[str] = (),
+        cut_requester: CutRequester | None = None,
+        clock: Clock | None = None,
     ) -> None:
         super().__init__()
         unknown = set(faults) - MODEL_FAULTS
@@ -92,6 +101,10 @@ class ModelParticipant(BaseParticipant):
         self.ledger = ledger
         self.gate = ModelGate(lambda: self.marks, self.changes.notify, admission_wait_seconds)
         self.restored_targets: set[str] = set()
+        self.restored_cuts = RestoredCuts()
+        self.cut_requester = cut_requester
+        self.clock: Clock = clock or SystemClock()
+        self.cut_counts: dict[str, int] = {}
         self.served = False
 
     # -- data plane -----------------------------------------------------------------------
@@ -119,6 +132,22 @@ class ModelParticipant(BaseParticipant):
                 raise StaleAttemptError(f"the capture ledger of {key} is retired")
         return ticket
 
+    def take_restored_cut(self, ticket: ModelTicket) -> GenerationCutRecord | None:
+        """The restored cut the call of ``ticket`` continues, if its request matches one.
+
+        A call under constrained decoding never continues a cut.
+        """
+        if ticket.restart_reason is not None or ticket.request_digest is None:
+            return None
+        if "ignore-cuts" in self.faults:
+            return None
+        return self.restored_cuts.take(ticket, ticket.request_digest)
+
+    def release(self, ticket: ModelTicket) -> None:
+        """The call has left the server: a restored cut it delivered is consumed."""
+        self.restored_cuts.settle(ticket)
+        self.gate.release(ticket)
+
     def is_checkpoint_open(self) -> bool:
         """Whether admission is closed (ledger retire and delete are refused meanwhile)."""
         return not self.gate.accepting
@@ -126,12 +155,27 @@ class ModelParticipant(BaseParticipant):
     # -- participant interface ------------------------------------------------------------
 
     async def close_admission(self, request: CheckpointRequest) -> None:
-        """New calls wait; responses not yet started are held."""
+        """New calls wait; responses not yet started are held; calls on a worker are cut once.
+
+        The cut round gets half of the time left before the deadline: the later stages of the
+        checkpoint need the rest, and a cut that does not make it only costs a regeneration.
+        """
         self.gate.close()
+        self.cut_counts = {}
+        if self.cut_requester is not None:
+            budget = (request.deadline_ts - self.clock.time()) / 2
+            self.cut_counts = await run_cut_round(
+                list(self.gate.tickets.values()),
+                checkpoint_id=request.checkpoint_id,
+                server_name=self.instance,
+                requester=self.cut_requester,
+                budget_seconds=budget,
+            )
         self.changes.notify()
 
     async def open_admission(self) -> None:
         """Admit the waiting calls and deliver the held responses."""
+        self.cut_counts = {}
         self.gate.open()
         self.changes.notify()
 
@@ -139,11 +183,20 @@ class ModelParticipant(BaseParticipant):
         """Generations and held responses never block; a response being sent does, briefly."""
         return build_report(
             self.gate.in_transmission() if not self.gate.accepting else [],
-            counts={"inflight": len(self.gate.tickets), "held": self.gate.held_count()},
+            counts={
+                "inflight": len(self.gate.tickets),
+                "held": self.gate.held_count(),
+                "cut": self.cut_counts.get("cut", 0),
+                "cut_failed": self.cut_counts.get("cut_failed", 0),
+                "cut_skipped": self.cut_counts.get("cut_skipped", 0),
+            },
         )
 
     async def export(self, episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
-        """Each scoped episode's ledger rows minus its undelivered calls.
+        """Each scoped episode's ledger rows minus its undelivered calls, and its cut.
+
+        The cut is that of the episode's latest-admitted undelivered call (a client retry can
+        leave two; only the latest is awaited), else a restored cut no call has consumed yet.
 
         Raises:
             CheckpointError: No scope was given (the model needs the episodes continued).
@@ -153,15 +206,19 @@ class ModelParticipant(BaseParticipant):
                 "a model commit needs the episode_ids the controller continues from this checkpoint"
             )
         undelivered = self.gate.undelivered()  # taken on the loop while admission is closed
+        live_cuts = latest_cuts(self.gate.tickets.values())
         if "export-undelivered" in self.faults:
             undelivered = set()
         records: list[Record] = []
         for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
             rows = await anyio.to_thread.run_sync(self.ledger.export_rows, episode.capture_key)
             kept = [row for row in rows if row.get("model_call_id") not in undelivered]
-            if kept:
+            key = episode.capture_key
+            cut = live_cuts.get(key) or self.restored_cuts.records.get(key)
+            cuts = [] if cut is None else [cut.model_dump(mode="json")]
+            if kept or cuts:
                 records.append(
-                    {"episode_id": episode.model_dump(), "rows": kept, "generation_cuts": []}
+                    {"episode_id": episode.model_dump(), "rows": kept, "generation_cuts": cuts}
                 )
         return records
 
@@ -171,6 +228,8 @@ class ModelParticipant(BaseParticipant):
         for record in records:
             key = EpisodeId.model_validate(record["episode_id"]).capture_key
             keys = {str(r["staging_key"]) for r in record["rows"] if r.get("staging_key")}
+            for cut in record["generation_cuts"]:  # the staged prefix must outlive the commit
+                keys.update(str(k) for k in cut["continuation"]["staging_keys"])
             by_episode[key] = sorted(keys)
         union = sorted({k for keys in by_episode.values() for k in keys})
         return {"staging_keys": union, "staging_keys_by_episode": by_episode}
@@ -187,12 +246,18 @@ class ModelParticipant(BaseParticipant):
                 "a model restore needs a freshly started server; this one has served calls"
             )
         wanted = {episode.capture_key: episode for episode in scope}
+        # Every scoped episode gets a ledger, empty if it has no record, so that what a dead
+        # execution wrote under its next attempt is cleared.
         ledgers: dict[str, list[dict[str, Any]]] = {
             episode.next_attempt().capture_key: [] for episode in scope
         }
+        cuts: dict[str, GenerationCutRecord] = {}
         for index, record in enumerate(records):  # every record is checked before any change
-            source = _checked_record(record, index, wanted)
-            ledgers[source.next_attempt().capture_key] = stamp_carried_rows(source, record["rows"])
+            source, cut = _checked_record(record, index, wanted)
+            target = source.next_attempt().capture_key
+            ledgers[target] = stamp_carried_rows(source, record["rows"])
+            if cut is not None:
+                cuts[target] = cut
         if "skip-ledger-import" in self.faults:
             ledgers = {key: [] for key in ledgers}
         try:
@@ -200,6 +265,7 @@ class ModelParticipant(BaseParticipant):
         except ValueError as exc:
             raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
         self.restored_targets = set(ledgers)
+        self.restored_cuts.records = cuts
         await self._retire_ledgers(list(scope))
         self.changes.notify()
 
@@ -214,6 +280,7 @@ class ModelParticipant(BaseParticipant):
     async def delete_restored(self, episode_id: EpisodeId) -> None:
         """Drop a restored attempt left out of a commit; keep its ledger if it has started."""
         self.restored_targets.discard(episode_id.capture_key)
+        self.restored_cuts.records.pop(episode_id.capture_key, None)
         await self.ledger.delete_unstarted([episode_id.capture_key])
 
     async def retire(self, episode_id: EpisodeId) -> None:
@@ -222,6 +289,7 @@ class ModelParticipant(BaseParticipant):
         for key in list(self.restored_targets):
             if episode_id.covers(EpisodeId.from_capture_key(key)):
                 self.restored_targets.discard(key)
+        self.restored_cuts.drop_covered(episode_id)
         await self._retire_ledgers([episode_id])
         self.changes.notify()
 
@@ -235,11 +303,14 @@ class ModelParticipant(BaseParticipant):
         return {
             "accepting": self.gate.accepting,
             "restored_pending": sorted(self.restored_targets),
+            "restored_generation_cuts": sorted(self.restored_cuts.records),
             "waiting": self.gate.waiting,
         }
 
 
-def _checked_record(record: Record, index: int, wanted: Mapping[str, EpisodeId]) -> EpisodeId:
+def _checked_record(
+    record: Record, index: int, wanted: Mapping[str, EpisodeId]
+) -> tuple[EpisodeId, GenerationCutRecord | None]:
     if not isinstance(record, Mapping) or set(record) != MODEL_RECORD_FIELDS:
         raise InvalidCheckpointStateError(
             f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
@@ -253,8 +324,13 @@ def _checked_record(record: Record, index: int, wanted: Mapping[str, EpisodeId])
     rows = record["rows"]
     if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
         raise InvalidCheckpointStateError(f"model record {index}: rows must be a list of objects")
-    if record["generation_cuts"] != []:
+    cuts = record["generation_cuts"]
+    if not isinstance(cuts, list) or len(cuts) > 1:
+        raise InvalidCheckpointStateError(f"model record {index}: at most one generation cut")
+    try:
+        cut = GenerationCutRecord.model_validate(cuts[0]) if cuts else None
+    except ValueError:
         raise InvalidCheckpointStateError(
-            f"model record {index} carries generation cuts, which this server cannot continue yet"
-        )
-    return source
+            f"model record {index} holds a malformed generation cut"
+        ) from None
+    return source, cut

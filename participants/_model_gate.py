@@ -19,7 +19,12 @@ from typing import Final
 
 import anyio
 
-from protocols import AdmissionClosedError, EpisodeId
+from protocols import (
+    AdmissionClosedError,
+    EpisodeId,
+    GenerationCutPrefixAck,
+    GenerationCutRecord,
+)
 
 from ._marks import RetireMarks
 
@@ -40,6 +45,12 @@ class ModelTicket:
         response_started: Whether the response passed egress (the call is delivered).
         held: Whether the response waited at egress for a resume.
         done: Set when the call has left the server.
+        backend: The worker the call was sent to (cut rounds group by it).
+        request_digest: Conversation digest of the request (matches restored cuts).
+        restart_reason: Why the call may never be cut (constrained decoding), if so.
+        cut: The worker's ack of this checkpoint's cut round.
+        cut_record: The durable cut the checkpoint keeps, for a ``durable_prefix`` ack.
+        claimed_cut: The restored cut this call continues.
     """
 
     episode: EpisodeId
@@ -50,6 +61,12 @@ class ModelTicket:
     held: bool = False
     waiting_at_egress: bool = False
     done: anyio.Event = field(default_factory=anyio.Event)
+    backend: str | None = None
+    request_digest: str | None = None
+    restart_reason: str | None = None
+    cut: GenerationCutPrefixAck | None = None
+    cut_record: GenerationCutRecord | None = None
+    claimed_cut: GenerationCutRecord | None = None
 
 
 class ModelGate:
@@ -143,6 +160,9 @@ class ModelGate:
     def open(self) -> None:
         """Admit again, wake the waiting calls and deliver the held responses."""
         self.accepting = True
+        for ticket in self.tickets.values():  # a cut belongs to the checkpoint that took it
+            ticket.cut = None
+            ticket.cut_record = None
         self._opened.set()
         self._wake_waiters()
 

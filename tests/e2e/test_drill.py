@@ -54,6 +54,7 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     assert all(n > 0 for n in figures["restored_per_crash"])
     assert figures["held_delivered"] >= 1
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
+    assert figures["cut_continued"] >= 1
 
 
 def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseline(
@@ -95,6 +96,7 @@ def test_with_replayed_verify_the_drill_is_green(tmp_path: Path) -> None:
             {"repeated_model_calls", "token_mismatches"},
             {"repeated_model_calls", "token_mismatches"},
         ),
+        ("ignore-cuts", {"extra_tokens_generated"}, {"extra_tokens_generated"}),
     ],
 )
 def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(

@@ -236,4 +236,5 @@ async def test_bad_requests_are_refused_before_anything_changes(tmp_path: Path) 
         )
         assert not app.state.policy.participant.served
     assert [r.status_code for r in (bad_key, framing, extra)] == [400, 422, 422]
+    assert bad_key.json()["error"]["code"] == "invalid_rollout_id"
     assert not (tmp_path / "ledger" / "r1.lineage.jsonl").exists()

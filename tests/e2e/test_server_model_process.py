@@ -1,5 +1,6 @@
 """Real worker and policy processes: a 3-call chain token for token, then a SIGKILL of the
-policy server with a call undelivered at the checkpoint, and a fresh process continuing it."""
+policy server with a call undelivered (and cut) at the checkpoint, and a fresh process whose
+re-issued call continues the cut."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import httpx
 import pytest
 
 from e2e._server_model import read_policy_evidence
+from e2e._worker import read_worker_evidence
 from participants import FileTokenStagingStore
 from protocols import encode, render_prompt
 from tests.e2e.processes import kill_group, serve
@@ -96,6 +98,8 @@ async def test_a_three_call_chain_then_sigkill_with_a_held_call_and_a_fresh_proc
                 async with anyio.create_task_group() as group:
                     group.start_soon(_doomed_call, client, messages)
                     await _until_counts(client, "inflight", 1)
+                    await _until_worker_busy(w)
+                    await anyio.sleep(0.15)  # lets a few tokens exist; nothing asserts on timing
                     await _control(client, "prepare", checkpoint_id="c1")
                     await _until_counts(client, "held", 1)
                     committed = await _control(
@@ -106,7 +110,9 @@ async def test_a_three_call_chain_then_sigkill_with_a_held_call_and_a_fresh_proc
                         episode_ids=scope,
                     )
                     kill_group(first)
-        assert committed["staging_keys"] == sorted(r["staging_key"] for r in chain)
+        # The held call's row stays out; its cut's staged prefix is kept besides the chain.
+        chain_keys = {r["staging_key"] for r in chain}
+        assert chain_keys < set(committed["staging_keys"])
         with serve("model", *policy_args, log=tmp_path / "policy.log", env=env) as (url, _):
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 restored = await _control(
@@ -117,6 +123,8 @@ async def test_a_three_call_chain_then_sigkill_with_a_held_call_and_a_fresh_proc
                     episode_ids=scope,
                 )
                 assert restored["restored"] == ["r1-a1"]
+                status = (await client.get(f"{CONTROL}/status", headers=AUTH)).json()
+                assert status["restored_generation_cuts"] == ["r1-a1"], status
                 await _control(client, "resume", checkpoint_id="c2")
                 stale = await client.post(
                     "/ng-rollout/r1/v1/chat/completions",
@@ -133,6 +141,23 @@ async def test_a_three_call_chain_then_sigkill_with_a_held_call_and_a_fresh_proc
     delivered = [e["model_call_id"] for e in egress]
     assert len(delivered) == len(set(delivered)) == 4  # no delivered call was executed again
     assert [e["capture_key"] for e in egress] == ["r1", "r1", "r1", "r1-a1"]
+    assert [e["continued_cut"] for e in egress] == [False, False, False, True]
+    # The re-issued call continued the held call's durable prefix and generated only the rest.
+    held_id = [e for e in read_policy_evidence(root, event="admit") if e["capture_key"] == "r1"][3][
+        "model_call_id"
+    ]
+    (reissued,) = [e for e in read_worker_evidence(root) if e["capture_key"] == "r1-a1"]
+    assert reissued["continued_from"] == held_id
+    assert reissued["tokens_continued"] + reissued["tokens_generated"] == 16
+
+
+async def _until_worker_busy(worker_url: str) -> None:
+    async with httpx.AsyncClient(base_url=worker_url, timeout=10) as worker:
+        with anyio.fail_after(30):  # bounds the wait; asserts nothing about speed
+            while True:
+                if (await worker.get("/healthz")).json()["in_flight"] >= 1:
+                    return
+                await anyio.sleep(0.02)  # another process: polling is the only way
 
 
 async def _doomed_call(client: httpx.AsyncClient, messages: list[dict[str, str]]) -> None:

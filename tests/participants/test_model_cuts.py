@@ -1,0 +1,274 @@
+"""Generation cuts on the policy side: the cut round at close, commit of cuts, restored cuts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+import pytest
+
+from participants import (
+    ManualClock,
+    MemoryCaptureLedger,
+    ModelParticipant,
+    ModelTicket,
+    generation_cut_restart_reason,
+)
+from protocols import (
+    CheckpointRequest,
+    EpisodeId,
+    GenerationCutInventory,
+    GenerationCutPrefixAck,
+    GenerationCutReceipt,
+    InvalidCheckpointStateError,
+)
+from tests.participants.ledger_factory import commit
+
+pytestmark = pytest.mark.anyio
+R1 = EpisodeId(rollout_id="r1")
+DIGEST = "d" * 64
+WORKER = "http://127.0.0.1:1"
+
+
+class FakeWorker:
+    """Answers inventories with a durable prefix for every call, or misbehaves on demand."""
+
+    def __init__(self, mode: str = "ok") -> None:
+        self.mode = mode
+        self.budgets: list[float] = []
+        self.inventories: list[GenerationCutInventory] = []
+
+    async def __call__(
+        self, backend: str, inventory: GenerationCutInventory, budget_seconds: float
+    ) -> GenerationCutReceipt:
+        self.budgets.append(budget_seconds)
+        self.inventories.append(inventory)
+        if self.mode == "refuse":
+            raise RuntimeError("500 from the worker")
+        if self.mode == "hang":
+            await anyio.sleep_forever()
+        acks = [
+            GenerationCutPrefixAck(
+                **prefix.model_dump(),
+                disposition="durable_prefix",
+                cut_kind="active_prefix",
+                frozen_buffer_id="buffer",
+                staging_keys=[f"__generation_cut__/{prefix.model_call_id}/1"],
+                prefix_token_count=3,
+                prefix_digest="a" * 64,
+                effective_output_limit=16,
+            )
+            for prefix in inventory.active_prefixes
+        ]
+        if self.mode == "wrong-call":
+            acks = [a.model_copy(update={"model_call_id": "someone-else"}) for a in acks]
+        return GenerationCutReceipt(
+            checkpoint_id=inventory.checkpoint_id,
+            cut_id="cut",
+            inventory_digest=inventory.inventory_digest,
+            inventory=inventory,
+            backend_snapshot_id="snap",
+            prefixes=acks,
+        )
+
+
+def _model(worker: FakeWorker | None = None, clock: ManualClock | None = None) -> ModelParticipant:
+    return ModelParticipant(MemoryCaptureLedger(), cut_requester=worker, clock=clock)
+
+
+async def _on_worker(
+    model: ModelParticipant, episode: EpisodeId = R1, restart: str | None = None
+) -> ModelTicket:
+    ticket = await model.admit(episode)
+    ticket.backend = WORKER
+    ticket.request_digest = DIGEST
+    ticket.restart_reason = restart
+    return ticket
+
+
+def _close(clock: ManualClock | None = None, ahead: float = 60.0) -> CheckpointRequest:
+    now = clock.time() if clock is not None else 1_800_000_000.0
+    return CheckpointRequest(checkpoint_id="c1", deadline_ts=now + ahead)
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        ({}, None),
+        ({"tool_choice": "auto", "response_format": {"type": "text"}}, None),
+        ({"tool_choice": "none"}, None),
+        ({"tool_choice": "required"}, "tool_choice:required"),
+        ({"tool_choice": {"type": "function"}}, "tool_choice:constrained"),
+        ({"response_format": {"type": "json_object"}}, "response_format:json_object"),
+        ({"response_format": {}}, "response_format:unknown"),
+        ({"guided_regex": "a+"}, "guided_regex"),
+    ],
+)
+def test_constrained_decoding_is_named_as_the_reason_never_to_cut(
+    body: dict[str, Any], reason: str | None
+) -> None:
+    assert generation_cut_restart_reason(body) == reason
+
+
+async def test_close_cuts_calls_on_a_worker_but_never_a_constrained_one() -> None:
+    worker = FakeWorker()
+    model = _model(worker, ManualClock())
+    plain = await _on_worker(model)
+    constrained = await _on_worker(model, EpisodeId(rollout_id="r2"), restart="tool_choice:x")
+    not_sent = await model.admit(EpisodeId(rollout_id="r3"))  # not on a worker yet
+    await model.close_admission(_close())
+    (inventory,) = worker.inventories
+    assert [p.model_call_id for p in inventory.active_prefixes] == [plain.model_call_id]
+    assert plain.cut_record is not None and constrained.cut_record is None
+    assert not_sent.cut is None
+    counts = model.readiness().counts
+    assert (counts["cut"], counts["cut_failed"], counts["cut_skipped"]) == (1, 0, 1)
+    records = await model.export([R1, EpisodeId(rollout_id="r2")])
+    assert [len(r["generation_cuts"]) for r in records] == [1]
+    assert model.commit_reply(records)["staging_keys"] == [
+        f"__generation_cut__/{plain.model_call_id}/1"
+    ]
+
+
+async def test_the_cut_gets_half_of_the_remaining_deadline() -> None:
+    clock = ManualClock()
+    worker = FakeWorker()
+    model = _model(worker, clock)
+    await _on_worker(model)
+    await model.close_admission(_close(clock, ahead=30.0))
+    assert worker.budgets == [15.0]
+
+
+@pytest.mark.parametrize("mode", ["refuse", "hang", "wrong-call"])
+async def test_a_failed_hung_or_invalid_cut_regenerates_and_never_blocks(mode: str) -> None:
+    clock = ManualClock()  # it never moves: only the cut's own bound can end a hang
+    model = _model(FakeWorker(mode), clock)
+    ticket = await _on_worker(model)
+    with anyio.fail_after(30):  # a bound on the test, not an assertion on speed
+        await model.close_admission(_close(clock, ahead=0.2))
+    assert ticket.cut is not None and ticket.cut.disposition == "durable_failure"
+    assert ticket.cut_record is None
+    assert model.readiness().ready
+    assert model.readiness().counts["cut_failed"] == 1
+    # The later stages still run: the export leaves the call out and carries no cut.
+    assert await model.export([R1]) == []
+
+
+async def test_an_episode_with_a_retried_call_keeps_only_the_latest_cut() -> None:
+    model = _model(FakeWorker())
+    first = await _on_worker(model)
+    retry = await _on_worker(model)
+    assert retry.admitted_at >= first.admitted_at
+    retry.admitted_at = first.admitted_at + 1.0
+    await model.close_admission(_close())
+    (record,) = await model.export([R1])
+    (cut,) = record["generation_cuts"]
+    assert cut["model_call_id"] == retry.model_call_id
+
+
+async def test_opening_admission_forgets_the_checkpoints_cuts() -> None:
+    model = _model(FakeWorker())
+    ticket = await _on_worker(model)
+    await model.close_admission(_close())
+    await model.open_admission()
+    assert ticket.cut_record is None
+    assert model.readiness().counts["cut"] == 0
+
+
+async def _restored_with_cut() -> tuple[ModelParticipant, dict[str, Any]]:
+    """A fresh model that restored r1 with the cut a previous process exported."""
+    old = _model(FakeWorker())
+    await _on_worker(old)
+    await old.close_admission(_close())
+    (record,) = await old.export([R1])
+    model = _model(FakeWorker())
+    await model.install([record], [R1])
+    return model, record
+
+
+async def test_a_restored_cut_attaches_only_to_a_matching_unconstrained_call() -> None:
+    model, record = await _restored_with_cut()
+    target = R1.next_attempt()
+    assert model.status_extra()["restored_generation_cuts"] == [target.capture_key]
+    other = await model.admit(target)
+    other.request_digest = "e" * 64
+    assert model.take_restored_cut(other) is None
+    constrained = await model.admit(target)
+    constrained.request_digest = DIGEST
+    constrained.restart_reason = "response_format:json_object"
+    assert model.take_restored_cut(constrained) is None
+    reissued = await model.admit(target)
+    reissued.request_digest = DIGEST
+    taken = model.take_restored_cut(reissued)
+    assert taken is not None
+    assert taken.model_dump(mode="json") == record["generation_cuts"][0]
+
+
+async def test_a_restored_cut_survives_checkpoints_until_its_call_has_delivered() -> None:
+    model, record = await _restored_with_cut()
+    target = R1.next_attempt()
+    cancelled = await model.admit(target)
+    cancelled.request_digest = DIGEST
+    assert model.take_restored_cut(cancelled) is not None
+    model.release(cancelled)  # left without a response: the cut is not consumed
+    assert model.status_extra()["restored_generation_cuts"] == [target.capture_key]
+    reissued = await model.admit(target)
+    reissued.request_digest = DIGEST
+    assert model.take_restored_cut(reissued) is not None
+    await model.close_admission(_close())
+    (kept,) = await model.export([target])
+    assert kept["generation_cuts"] == record["generation_cuts"]
+    await model.open_admission()
+    await model.gate.deliver(reissued)
+    model.release(reissued)
+    assert model.status_extra()["restored_generation_cuts"] == []
+    await model.close_admission(_close())
+    assert await model.export([target]) == []
+
+
+async def test_retire_and_delete_restored_drop_the_restored_cut() -> None:
+    model, _ = await _restored_with_cut()
+    await model.retire(R1.next_attempt())
+    assert model.status_extra()["restored_generation_cuts"] == []
+    model, _ = await _restored_with_cut()
+    await model.delete_restored(R1.next_attempt())
+    assert model.status_extra()["restored_generation_cuts"] == []
+
+
+async def test_install_refuses_two_cuts_in_one_record_and_changes_nothing() -> None:
+    _, record = await _restored_with_cut()
+    model = _model()
+    await model.ledger.record(commit("r1-a1", 0, rollout="r1"))
+    doubled = {**record, "generation_cuts": record["generation_cuts"] * 2}
+    with pytest.raises(InvalidCheckpointStateError):
+        await model.install([doubled], [R1])
+    assert model.restored_pending() == []
+    assert model.status_extra()["restored_generation_cuts"] == []
+    assert len(model.ledger.export_rows("r1-a1")) == 1
+
+
+async def test_a_started_response_blocks_prepare_until_sent_and_new_calls_wait() -> None:
+    model = _model(FakeWorker())
+    streaming = await _on_worker(model)
+    await model.gate.deliver(streaming)  # its response has started before the close
+    await model.close_admission(_close())
+    assert not model.readiness().ready
+    assert streaming.cut is None  # a delivered call is never cut
+    admitted: list[ModelTicket] = []
+
+    async def new_call() -> None:
+        admitted.append(await model.admit(EpisodeId(rollout_id="r2")))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(new_call)
+        with anyio.fail_after(10):  # a bound on the wait, not an assertion on speed
+            while True:
+                seen = model.changes.version
+                if model.gate.waiting == 1:
+                    break
+                await model.changes.wait_past(seen)
+        model.release(streaming)
+        assert model.readiness().ready
+        assert admitted == []
+        await model.open_admission()
+    assert len(admitted) == 1

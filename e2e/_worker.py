@@ -8,7 +8,6 @@ body is read.
 
 from __future__ import annotations
 
-import hmac
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -18,7 +17,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from participants import FileTokenStagingStore
+from participants import (
+    FileTokenStagingStore,
+    authorized,
+    describe_validation_error,
+    error_response,
+)
 from protocols import (
     CompletionReply,
     CompletionRequest,
@@ -61,36 +65,24 @@ class WorkerSettings:
     name: str = "worker"
 
 
-def _envelope(error: MidflightError) -> JSONResponse:
-    return JSONResponse(error.envelope(), status_code=error.http_status)
-
-
 class _BearerGuard:
     """Refuses ``/ng-control/`` requests without the right bearer token, before any body is read."""
 
     def __init__(self, app: ASGIApp, token: str) -> None:
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._token = token
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(CONTROL_ROUTE_PREFIX):
-            given = b""
+            given: str | None = None
             for name, value in scope["headers"]:
                 if name == b"authorization":
-                    given = value
-            if not hmac.compare_digest(given, self._expected):
+                    given = value.decode("latin-1")
+            if not authorized(given, self._token):
                 refusal = UnauthorizedError("missing or invalid control-plane bearer token")
-                await _envelope(refusal)(scope, receive, send)
+                await error_response(refusal)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-
-def _validation_detail(exc: RequestValidationError) -> str:
-    parts = []
-    for error in exc.errors()[:5]:
-        location = ".".join(str(part) for part in error.get("loc", ()) if part != "body")
-        parts.append(f"{location or 'body'}: {error.get('msg', 'invalid')}")
-    return "; ".join(parts)[:2000]
 
 
 def create_worker_app(
@@ -121,15 +113,15 @@ def create_worker_app(
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _envelope(InvalidRequestError(_validation_detail(exc)))
+        return error_response(InvalidRequestError(describe_validation_error(exc)))
 
     @app.exception_handler(MidflightError)
     async def refused(request: Request, exc: MidflightError) -> JSONResponse:
-        return _envelope(exc)
+        return error_response(exc)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:
-        return _envelope(InternalError(f"{type(exc).__name__}: {exc}"[:2000]))
+        return error_response(InternalError(f"{type(exc).__name__}: {exc}"[:2000]))
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:

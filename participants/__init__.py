@@ -25,6 +25,7 @@ from ._episode_steps import EpisodeSteps, TrackedEpisode
 from ._http import (
     authorized,
     control_router,
+    describe_validation_error,
     error_response,
     install_error_envelope,
     participant_app,
@@ -138,6 +139,7 @@ __all__ = [
     "build_report",
     "choose_tool",
     "control_router",
+    "describe_validation_error",
     "error_response",
     "fsync_directory",
     "generation_cut_restart_reason",

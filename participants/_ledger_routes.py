@@ -10,7 +10,6 @@ without app-level exception handlers (the policy server mounts this router as it
 
 from __future__ import annotations
 
-import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -32,6 +31,8 @@ from protocols import (
     validate_ledger_keys,
 )
 
+from ._http import authorized, error_response
+
 CHECKPOINT_OPEN_DETAIL = (
     "a checkpoint is open on this model server; retry ledger retire and delete after it resumes"
 )
@@ -44,13 +45,8 @@ _BATCH_BODY: dict[str, Any] = {
 }
 
 
-def _error(exc: MidflightError) -> JSONResponse:
-    return JSONResponse(status_code=exc.http_status, content=exc.envelope())
-
-
-def _check_token(request: Request, expected: bytes) -> None:
-    supplied = request.headers.get("authorization", "").encode("utf-8", "surrogateescape")
-    if not hmac.compare_digest(supplied, expected):
+def _check_token(request: Request, token: str) -> None:
+    if not authorized(request.headers.get("authorization"), token):
         raise UnauthorizedError("missing or invalid capture-ledger bearer token")
 
 
@@ -86,7 +82,6 @@ def ledger_control_router(
     """
     if not capture_token:
         raise ValueError("the capture-ledger routes need a non-empty bearer token")
-    expected = f"Bearer {capture_token}".encode()
     router = APIRouter(prefix=LEDGER_CONTROL_PREFIX)
 
     def removal_route(
@@ -94,14 +89,14 @@ def ledger_control_router(
     ) -> Callable[[Request], Awaitable[JSONResponse]]:
         async def handler(request: Request) -> JSONResponse:
             try:
-                _check_token(request, expected)
+                _check_token(request, capture_token)
                 ids = await _batch(request)
                 if is_checkpoint_open():
                     raise CheckpointOpenError(CHECKPOINT_OPEN_DETAIL)
                 keys = validate_ledger_keys(ids)
                 result = await operation(keys)
             except MidflightError as exc:
-                return _error(exc)
+                return error_response(exc)
             return JSONResponse(result.model_dump(mode="json"))
 
         return handler
@@ -126,11 +121,11 @@ def ledger_control_router(
     @router.get("/rollouts/{rollout_id}/manifest", summary="The manifest of one capture key")
     async def manifest(rollout_id: str, request: Request) -> JSONResponse:
         try:
-            _check_token(request, expected)
+            _check_token(request, capture_token)
             key = validate_ledger_key(rollout_id)
             result = await ledger.manifest(key)
         except MidflightError as exc:
-            return _error(exc)
+            return error_response(exc)
         return JSONResponse(json.loads(result.model_dump_json()))
 
     return router

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import tempfile
 from pathlib import Path
@@ -99,7 +100,7 @@ def register(app: typer.Typer) -> None:
             with (
                 error_console.status("running the drill…", spinner="dots")
                 if not as_json
-                else _null()
+                else contextlib.nullcontext()
             ):
                 figures = run_drill(options, work, on_line)
         finally:
@@ -135,11 +136,3 @@ def register(app: typer.Typer) -> None:
         from ._driver import main
 
         main(root, cluster, plan)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *args: object) -> None:
-        return None

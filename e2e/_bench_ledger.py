@@ -12,6 +12,7 @@ import hashlib
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,9 @@ import anyio
 from participants import FileCaptureLedger
 from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
 
-OPERATIONS = ("record", "manifest", "retire", "delete", "import_rows_many")
+OPERATIONS = ("record", "record_concurrent", "manifest", "retire", "delete", "import_rows_many")
+IN_FLIGHT = 64
+"""Rollouts recording at once in the ``record_concurrent`` row."""
 
 
 def _hex(*parts: object) -> str:
@@ -84,6 +87,29 @@ class _Floor:
                 os.close(fd)
                 if index == 0:
                     os.fsync(self.dir_fd)
+
+    def record_concurrent(
+        self, pool: ThreadPoolExecutor, shards: dict[int, list[str]], lines: dict[str, list[bytes]]
+    ) -> None:
+        """``record`` from one thread per shard, as the ledger's group commit spreads the work.
+
+        Each thread appends call 0 of each of its rollouts, then call 1, and so on: the same
+        system calls in the same order as the shard thread of the ledger it stands beside.
+        """
+
+        def shard_work(keys: list[str]) -> None:
+            for turn in range(len(lines[keys[0]])):
+                for key in keys:
+                    path = f"{self.prefix}{key}.lineage.jsonl"
+                    fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+                    os.write(fd, lines[key][turn])
+                    os.fsync(fd)
+                    os.close(fd)
+                    if turn == 0:
+                        os.fsync(self.dir_fd)
+
+        for done in [pool.submit(shard_work, keys) for keys in shards.values()]:
+            done.result()
 
     def manifest(self, keys: list[str]) -> None:
         for key in keys:
@@ -168,16 +194,38 @@ def run_ledger_bench(
             bare(chunk)
             floor_s[name] += time.perf_counter() - start
 
-    async def record_chunk(chunk: list[str]) -> None:
+    async def record_chunk(chunk: list[str], into: FileCaptureLedger | None = None) -> None:
         for key in chunk:
             for work in commits[key]:
-                await ledger.record(work)
+                await (into or ledger).record(work)
 
     async def main() -> None:
         singles = [[key] for key in keys]  # per rollout: the finest alternation
         await alternate(
             "record", singles, record_chunk, lambda c: floor.record({k: lines[k] for k in c})
         )
+
+        async def record_many(chunk: list[str]) -> None:
+            async with anyio.create_task_group() as group:
+                for key in chunk:
+                    group.start_soon(record_chunk, [key], busy)
+
+        def floor_many(chunk: list[str]) -> None:
+            shards: dict[int, list[str]] = {}
+            for key in chunk:
+                shards.setdefault(busy.commit_shard(key), []).append(key)
+            floor_busy.record_concurrent(pool, shards, {k: lines[k] for k in chunk})
+
+        # The same rollouts again in fresh directories, IN_FLIGHT of them recording at once.
+        busy = FileCaptureLedger(directory / "ledger-concurrent")
+        floor_busy = _Floor(directory / "floor-concurrent")
+        waves = [keys[i : i + IN_FLIGHT] for i in range(0, len(keys), IN_FLIGHT)]
+        try:
+            with ThreadPoolExecutor(busy.commit_threads) as pool:
+                await alternate("record_concurrent", waves, record_many, floor_many)
+        finally:
+            busy.close()
+            floor_busy.close()
         cold = FileCaptureLedger(ours_dir)  # a fresh process's view: nothing cached
 
         async def manifest_chunk(chunk: list[str]) -> None:

@@ -50,6 +50,12 @@ from ._ledger_common import (
     unlink_if_present,
     write_all,
 )
+from ._ledger_group import (
+    DEFAULT_COMMIT_THREADS,
+    DEFAULT_MAX_COMMIT_BATCH,
+    GroupCommitter,
+    PendingAppend,
+)
 from ._ledger_locks import DEFAULT_STRIPES, StripedFileLocks
 
 _log = structlog.get_logger("midflight.ledger")
@@ -69,6 +75,8 @@ class FileCaptureLedger:
         max_cached_rollouts: Bound of the row cache, in ledgers.
         max_cached_rows: Bound of the row cache, in rows.
         on_step: Called with each name of ``RETIRE_STEPS`` (tests only).
+        commit_threads: Group-commit shards, each with its own thread (``_ledger_group``).
+        max_commit_batch: Most appends one shard commits as a group.
     """
 
     def __init__(
@@ -79,6 +87,8 @@ class FileCaptureLedger:
         max_cached_rollouts: int = DEFAULT_MAX_CACHED_ROLLOUTS,
         max_cached_rows: int = DEFAULT_MAX_CACHED_ROWS,
         on_step: Callable[[str], None] | None = None,
+        commit_threads: int = DEFAULT_COMMIT_THREADS,
+        max_commit_batch: int = DEFAULT_MAX_COMMIT_BATCH,
     ) -> None:
         self.root = Path(root)
         make_directory_durable(self.root)
@@ -87,6 +97,9 @@ class FileCaptureLedger:
         self._cache = RowCache(max_cached_rollouts, max_cached_rows)
         self._dir_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self._on_step = on_step or (lambda _name: None)
+        self._committer = GroupCommitter(
+            self._commit_group, shards=commit_threads, max_batch=max_commit_batch
+        )
 
     # -- paths and small helpers ------------------------------------------------------------
 
@@ -98,6 +111,15 @@ class FileCaptureLedger:
 
     def _sync_root(self) -> None:
         os.fsync(self._dir_fd)
+
+    @property
+    def commit_threads(self) -> int:
+        """How many group-commit shards (each with its own thread) append rows."""
+        return self._committer.shards
+
+    def commit_shard(self, key: str) -> int:
+        """The group-commit shard whose thread appends the rows of ``key``."""
+        return self._locks.stripe(key) % self._committer.shards
 
     def cache_sizes(self) -> dict[str, int]:
         """Sizes of the row cache (``ledger_rollouts``, ``ledger_rows``) for the metric."""
@@ -133,63 +155,119 @@ class FileCaptureLedger:
 
     # -- writing ------------------------------------------------------------------------------
 
-    def _append(self, key: str, row: dict[str, Any], *, failure: bool, staging_key: str) -> None:
-        line = encode_row(row)
+    def _append_group(self, key: str, items: list[PendingAppend]) -> None:
+        """Append the rows of one ledger under its stripe lock with one fsync.
+
+        A refused row (a conflicting repeat) gets its own ``error`` and the others go on; rows
+        already present and late rows of a retired key are no-ops. Raises only for what fails
+        the whole group (an I/O error), leaving the caller to hand it to every row.
+        """
         path = self._path(key, LEDGER_SUFFIX)
-        with self._locks.hold(key):
+        stripe = self._locks.acquire(key)
+        try:
             try:
                 fd: int | None = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
             except FileNotFoundError:
                 fd = None
             try:
                 entry = self._refresh(key, fd) if fd is not None else None
-                if entry is not None and entry.rows:
-                    if check_repeat(entry.by_call_id.get(row["model_call_id"]), row, failure):
-                        return
-                elif self._fenced(key):
-                    # Only an empty ledger needs the fence check: retire makes every fence
-                    # durable before it removes any ledger, so rows here mean "not retired yet".
-                    _log.warning(
-                        "ledger_late_write_discarded",
-                        rollout_id=key,
-                        model_call_id=row["model_call_id"],
-                        staging_key=staging_key,
-                    )
+                lines: list[bytes] = []
+                fenced: bool | None = None
+                for item in items:
+                    row = item.row
+                    if entry is not None and entry.rows:
+                        try:
+                            known = entry.by_call_id.get(row["model_call_id"])
+                            if check_repeat(known, row, item.failure):
+                                continue
+                        except ValueError as exc:
+                            item.error = exc  # this caller's conflict; its neighbours go on
+                            continue
+                    else:
+                        # Only an empty ledger needs the fence check: retire makes every fence
+                        # durable before it removes any ledger, so rows mean "not retired yet".
+                        if fenced is None:
+                            fenced = self._fenced(key)
+                        if fenced:
+                            _log.warning(
+                                "ledger_late_write_discarded",
+                                rollout_id=key,
+                                model_call_id=row["model_call_id"],
+                                staging_key=item.staging_key,
+                            )
+                            continue
+                    if entry is None:
+                        entry = _Cached(inode=0, offset=0)
+                    entry.add(row)  # later rows of this group see it (repeats, conflicts)
+                    lines.append(item.line)
+                if not lines:
                     return
+                assert entry is not None
                 created = fd is None
                 if fd is None:
                     fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
-                    entry = _Cached(inode=os.fstat(fd).st_ino, offset=0)
-                assert entry is not None
-                write_all(fd, line)
-                os.fsync(fd)  # the row must survive a crash before the call is acknowledged
-                if created:
-                    self._sync_root()  # and so must the new ledger's name
-                entry.offset += len(line)
-                entry.add(row)
+                    entry.inode = os.fstat(fd).st_ino
+                data = b"".join(lines)
+                try:
+                    write_all(fd, data)
+                    # The rows must survive a crash before any of their callers is woken.
+                    os.fsync(fd)
+                    if created:
+                        self._sync_root()  # and so must the new ledger's name
+                except BaseException:
+                    self._cache.pop(key)  # the cached rows may not be on disk: read them again
+                    raise
+                entry.offset += len(data)
                 self._cache.store(key, entry)
             finally:
                 if fd is not None:
                     os.close(fd)
+        finally:
+            self._locks.release(stripe)
+
+    def _commit_group(self, group: list[PendingAppend]) -> None:
+        """Commit a group from the shard thread: per ledger one append, then wake its callers."""
+        by_key: dict[str, list[PendingAppend]] = {}
+        for item in group:
+            by_key.setdefault(item.key, []).append(item)
+        for key, items in by_key.items():
+            try:
+                self._append_group(key, items)
+            except Exception as exc:  # this ledger's I/O failed: its callers hear, no one else
+                for item in items:
+                    if item.error is None:
+                        item.error = exc
+            for item in items:
+                item.settle()  # after the fsync: a woken caller's row is durable
+
+    def _append(self, key: str, row: dict[str, Any], *, failure: bool, staging_key: str) -> None:
+        """Append one row from the calling thread (tests, and no group to join). Blocking."""
+        item = PendingAppend(key, row, encode_row(row), failure, staging_key)
+        self._append_group(key, [item])
+        if item.error is not None:
+            raise item.error
+
+    async def _submit(self, key: str, row: dict[str, Any], *, failure: bool, staging: str) -> None:
+        # Encoded here, so a row JSON cannot hold fails its own caller before it is queued.
+        item = PendingAppend(key, row, encode_row(row), failure, staging)
+        await self._committer.submit(item, self._locks.stripe(key))
 
     async def record(self, commit: CaptureLedgerCommit) -> None:
         """Append a committed call; an identical repeat is a no-op.
+
+        Concurrent appends are committed in groups (see ``docs/capture-ledger.md``); the call
+        returns only once its row is durable.
 
         Raises:
             ValueError: A different row with the same ``model_call_id`` exists ("conflicting").
         """
         row = custody_row(commit)
-        await anyio.to_thread.run_sync(
-            lambda: self._append(
-                commit.rollout_id, row, failure=False, staging_key=commit.record.staging_key
-            )
-        )
+        await self._submit(commit.rollout_id, row, failure=False, staging=commit.record.staging_key)
 
     async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
         """Append a failure row; an identical one already present is a no-op."""
         key = validate_ledger_key(rollout_id)
-        row = failure_row(model_call_id, reason)
-        await anyio.to_thread.run_sync(lambda: self._append(key, row, failure=True, staging_key=""))
+        await self._submit(key, failure_row(model_call_id, reason), failure=True, staging="")
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -393,7 +471,8 @@ class FileCaptureLedger:
         self._sync_root()  # one sync makes every removal and new name of the batch durable
 
     def close(self) -> None:
-        """Drop the cache and close descriptors; the files stay."""
+        """Commit queued appends, drop the cache and close descriptors; the files stay."""
+        self._committer.close()
         self._cache.clear()
         self._locks.close()
         if self._dir_fd >= 0:

@@ -91,6 +91,28 @@ class StripedFileLocks(StripedThreadLocks):
             finally:
                 fcntl.flock(fd, fcntl.LOCK_UN)
 
+    def acquire(self, key: str) -> int:
+        """Take the stripe of ``key`` like ``hold``, without a context manager; returns it.
+
+        The append path is hot enough that two nested generator-based context managers cost
+        about a fifth of its CPU time; pair every call with ``release`` in a ``finally``.
+        """
+        index = zlib.crc32(key.encode()) % self.stripes
+        self._thread_locks[index].acquire()
+        try:
+            fcntl.flock(self._fds[index], fcntl.LOCK_EX)
+        except BaseException:
+            self._thread_locks[index].release()
+            raise
+        return index
+
+    def release(self, index: int) -> None:
+        """Release a stripe taken with ``acquire``."""
+        try:
+            fcntl.flock(self._fds[index], fcntl.LOCK_UN)
+        finally:
+            self._thread_locks[index].release()
+
     def close(self) -> None:
         """Close the stripe descriptors (the files stay)."""
         fds, self._fds = self._fds, []

@@ -220,9 +220,14 @@ def failure_row(model_call_id: str, reason: str) -> dict[str, Any]:
     return {"model_call_id": model_call_id, "failure_reason": reason}
 
 
+# Built once: ``json.dumps`` with non-default options builds a new encoder on every call, which
+# costs about as much as the encoding itself on the ledger's hot path.
+_ROW_ENCODER: Final = json.JSONEncoder(sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
 def encode_row(row: Mapping[str, Any]) -> bytes:
     """One ledger line: sorted keys, compact separators, ASCII, then ``\\n``."""
-    return json.dumps(row, sort_keys=True, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    return _ROW_ENCODER.encode(row).encode() + b"\n"
 
 
 class ManifestFailure(BaseModel):

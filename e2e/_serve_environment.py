@@ -8,7 +8,7 @@ import typer
 
 from ._cluster import DEFAULT_NAMES, DEFAULT_PORTS
 from ._cmd_serve import ServeOptions, run_server, serve_options_from
-from ._server_environment import create_environment_app
+from ._server_environment import DEFAULT_EPISODE_SECONDS, create_environment_app
 
 
 def register(serve_app: typer.Typer) -> None:
@@ -24,7 +24,15 @@ def register(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        episode_seconds: Annotated[
+            float,
+            typer.Option(
+                min=0.001,
+                help="Each attempt's budget in seconds; time held by checkpoints is not counted.",
+            ),
+        ] = DEFAULT_EPISODE_SECONDS,
     ) -> None:
         """The environment server (default port 8705): episodes via the agent and resources."""
         options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
-        run_server(create_environment_app(options), options)
+        app = create_environment_app(options, episode_seconds=episode_seconds)
+        run_server(app, options)

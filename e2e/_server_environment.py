@@ -18,7 +18,13 @@ import httpx
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
-from participants import ControlPlane, EnvironmentParticipant, SeededSession, participant_app
+from participants import (
+    Clock,
+    ControlPlane,
+    EnvironmentParticipant,
+    SeededSession,
+    participant_app,
+)
 from protocols import EpisodeId, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
@@ -30,6 +36,8 @@ SESSION_COOKIE: Final = "ng_session"
 HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """Agent activations may be held through a checkpoint: read for up to 900 s."""
 PLAIN_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=60.0, write=60.0, pool=60.0)
+DEFAULT_EPISODE_SECONDS: Final = 3600.0
+"""Each attempt's budget by default, not counting time a checkpoint holds it (D138)."""
 
 
 class TaskId(BaseModel):
@@ -159,6 +167,8 @@ def create_environment_app(
     *,
     agent_transport: httpx.AsyncBaseTransport | None = None,
     resources_transport: httpx.AsyncBaseTransport | None = None,
+    episode_seconds: float | None = DEFAULT_EPISODE_SECONDS,
+    clock: Clock | None = None,
 ) -> FastAPI:
     """The environment server: control routes, ``/healthz``, ``/metrics`` and ``/run``.
 
@@ -166,6 +176,9 @@ def create_environment_app(
         ctx: Name, peers and tokens of the server.
         agent_transport: How to reach the agent (tests pass an in-process transport).
         resources_transport: How to reach the resources server (likewise).
+        episode_seconds: Each attempt's budget (time held by checkpoints not counted);
+            ``None`` for none.
+        clock: Where the budget reads the time (the wall clock by default).
     """
     agent = httpx.AsyncClient(
         base_url=ctx.peer_url("agent"),
@@ -179,7 +192,12 @@ def create_environment_app(
         transport=resources_transport,
         cookies=_no_cookie_jar(),
     )
-    participant = EnvironmentParticipant(ctx.name, HttpEnvironmentPeers(agent, resources))
+    participant = EnvironmentParticipant(
+        ctx.name,
+        HttpEnvironmentPeers(agent, resources),
+        episode_seconds=episode_seconds,
+        clock=clock,
+    )
     plane = ControlPlane(participant, settings=control_settings())
 
     @asynccontextmanager

@@ -14,8 +14,8 @@ from ._agent import AgentParticipant
 from ._agent_session import AgentPeers, AgentTaskInput, choose_tool
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
-from ._environment import (
-    EnvironmentParticipant,
+from ._environment import EnvironmentParticipant
+from ._environment_types import (
     EnvironmentPeers,
     EnvironmentRecord,
     EpisodeOutcome,

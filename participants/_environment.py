@@ -7,25 +7,26 @@ announced, and return. A boundary is recorded after every step; while a checkpoi
 episode parks there. A checkpoint exports ``{"episode_id", "task_digest", "boundary"}`` per episode;
 a restore keeps each record under its replacement attempt until ``run`` continues it from that
 boundary. The peers are reached through :class:`EnvironmentPeers`, so the episode logic does not
-depend on HTTP.
+depend on HTTP. An optional per-episode budget (``episode_seconds``) stops counting while a
+checkpoint holds the episode; an episode that runs out of it fails with ``deadline_exceeded``.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Protocol, TypedDict
+from typing import Any
 
 import anyio
 import structlog
 from anyio.abc import TaskGroup
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import ValidationError
 
 from protocols import (
     AdmissionClosedError,
     CheckpointError,
     CheckpointRequest,
+    DeadlineExceededError,
     EpisodeId,
     InvalidCheckpointStateError,
     MidflightError,
@@ -35,112 +36,24 @@ from protocols import (
     task_digest,
 )
 
+from ._clock import Clock, SystemClock
+from ._environment_types import (
+    BOUNDARY_ADAPTER,
+    Boundary,
+    BoundaryCommon,
+    EnvironmentPeers,
+    EnvironmentRecord,
+    EpisodeOutcome,
+    InvokeAgentBoundary,
+    ReturnBoundary,
+    VerifyBoundary,
+)
+from ._episode_deadline import EpisodeDeadline
 from ._episode_steps import EpisodeSteps, StepMode, TrackedEpisode
 from ._participant import BaseParticipant, Record
 from ._report import build_report
 
 _log = structlog.get_logger("midflight.environment")
-
-VerifyMode = Literal["wait", "replay"]
-
-
-class _Boundary(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    resources_session_id: str = Field(min_length=1, max_length=200)
-    verify: VerifyMode
-
-
-class InvokeAgentBoundary(_Boundary):
-    """Next: activation ``activation`` of the agent session."""
-
-    next: Literal["invoke_agent"]
-    activation: int = Field(ge=1)
-
-
-class VerifyBoundary(_Boundary):
-    """Next: verify the resources session."""
-
-    next: Literal["verify"]
-
-
-class ReturnBoundary(_Boundary):
-    """Next: return ``reward``."""
-
-    next: Literal["return"]
-    reward: float = Field(strict=False, allow_inf_nan=False)
-
-
-class _Common(TypedDict):
-    resources_session_id: str
-    verify: VerifyMode
-
-
-Boundary = Annotated[
-    InvokeAgentBoundary | VerifyBoundary | ReturnBoundary, Field(discriminator="next")
-]
-_BOUNDARY: TypeAdapter[Boundary] = TypeAdapter(Boundary)
-
-
-class EnvironmentRecord(BaseModel):
-    """One exported episode: its attempt, the digest of its task, its latest boundary."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    episode_id: EpisodeId
-    task_digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    boundary: Boundary | None
-
-
-@dataclass(frozen=True)
-class SeededSession:
-    """What the resources server answered to a seed.
-
-    Attributes:
-        session_id: The resources session of the episode.
-        verify: The mode the server announced for ``verify``.
-        restart: The server cannot capture its part (``x-ng-checkpoint-restart: 1``).
-    """
-
-    session_id: str
-    verify: VerifyMode
-    restart: bool = False
-
-
-class EnvironmentPeers(Protocol):
-    """The agent and resources servers, as the episode driver calls them.
-
-    Every method raises a ``MidflightError`` for a refusal and any other exception when the peer
-    cannot be reached; ``key`` is the capture key of the attempt.
-    """
-
-    async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
-        """Start the resources session of the episode."""
-        ...
-
-    async def seed_agent(
-        self, key: str, resources_session_id: str, task_input: dict[str, Any]
-    ) -> None:
-        """Open the agent session of the episode (session key = ``key``)."""
-        ...
-
-    async def activate(self, key: str, activation: int) -> dict[str, Any]:
-        """Run activation ``activation`` of the agent session; its reply."""
-        ...
-
-    async def verify(self, key: str, resources_session_id: str) -> float:
-        """Verify the resources session; the reward."""
-        ...
-
-    async def close(self, key: str, resources_session_id: str | None) -> None:
-        """Free the episode's agent and resources sessions."""
-        ...
-
-
-@dataclass(frozen=True)
-class EpisodeOutcome:
-    """How one ``run`` ended: ``result`` or ``failure`` (``{"code", "detail"}``)."""
-
-    result: dict[str, Any] | None = None
-    failure: dict[str, str] | None = None
 
 
 class EnvironmentParticipant(BaseParticipant):
@@ -152,14 +65,28 @@ class EnvironmentParticipant(BaseParticipant):
     Args:
         instance: The server's name.
         peers: The agent and resources servers.
+        episode_seconds: Each attempt's time budget, not counting time a checkpoint holds it;
+            ``None`` for none.
+        clock: Where the budget reads the time.
     """
 
     kind: ParticipantKind = "environment"
 
-    def __init__(self, instance: str, peers: EnvironmentPeers) -> None:
+    def __init__(
+        self,
+        instance: str,
+        peers: EnvironmentPeers,
+        *,
+        episode_seconds: float | None = None,
+        clock: Clock | None = None,
+    ) -> None:
         super().__init__()
+        if episode_seconds is not None and not episode_seconds > 0:
+            raise ValueError(f"episode_seconds must be positive, not {episode_seconds!r}")
         self.instance = instance
         self.peers = peers
+        self.episode_seconds = episode_seconds
+        self.clock: Clock = clock or SystemClock()
         self.steps = EpisodeSteps(self.changes)
         self.digests: dict[str, str] = {}
         self.restored: dict[str, EnvironmentRecord] = {}
@@ -218,7 +145,11 @@ class EnvironmentParticipant(BaseParticipant):
         boundary = None
         if restored is not None and restored.boundary is not None:
             boundary = restored.boundary.model_dump()
-        return self.steps.begin(key, boundary), restored
+        # A replacement attempt gets a whole budget: records carry no time (the format is fixed).
+        deadline = None
+        if self.episode_seconds is not None:
+            deadline = EpisodeDeadline(self.clock, self.episode_seconds)
+        return self.steps.begin(key, boundary, deadline), restored
 
     async def _drive(
         self,
@@ -229,33 +160,58 @@ class EnvironmentParticipant(BaseParticipant):
         outcome: list[EpisodeOutcome],
     ) -> None:
         key = episode_id.capture_key
-        session_id: str | None = None
+        sessions: list[str] = []
         try:
             with episode.scope:
-                try:
-                    if restored is not None and restored.boundary is not None:
-                        session_id = restored.boundary.resources_session_id
-                        await self.steps.boundary(episode, episode.boundary)  # parks if closed
-                    else:
-                        session_id = await self._seed(episode, key, task)
-                    reward = await self._advance(episode, key, task)
-                    result = {
-                        "reward": reward,
-                        "model_calls": _calls(task),
-                        "tool_calls": _calls(task),
-                    }
-                    outcome.append(EpisodeOutcome(result=result))
-                except Exception as exc:  # a peer refused or failed: the episode ends with it
+                failure: Exception | None = None
+                work = anyio.CancelScope()
+                async with anyio.create_task_group() as watchers:
+                    if episode.deadline is not None:
+                        watchers.start_soon(episode.deadline.watch, work)
+                    with work:
+                        try:
+                            reward = await self._steps(episode, key, task, restored, sessions)
+                            result = {
+                                "reward": reward,
+                                "model_calls": _calls(task),
+                                "tool_calls": _calls(task),
+                            }
+                            outcome.append(EpisodeOutcome(result=result))
+                        except Exception as exc:  # a peer refused or failed: the episode ends
+                            failure = exc
+                    watchers.cancel_scope.cancel()
+                if episode.deadline is not None and episode.deadline.expired:
+                    failure = DeadlineExceededError(
+                        f"{key} used up its {episode.deadline.seconds:g} s episode deadline "
+                        "(time held by checkpoints not counted)"
+                    )
+                if failure is not None:
                     # No episode finishes while a checkpoint is open: it parks at its last
                     # boundary (None after a failed replay step) and reports after the resume.
                     await self.steps.boundary(episode, episode.boundary)
-                    code = exc.code if isinstance(exc, MidflightError) else "internal_error"
-                    outcome.append(EpisodeOutcome(failure={"code": code, "detail": str(exc)}))
+                    code = failure.code if isinstance(failure, MidflightError) else "internal_error"
+                    outcome.append(EpisodeOutcome(failure={"code": code, "detail": str(failure)}))
                 self.steps.finishing(episode)
-                await self._close_quietly(key, session_id)
+                await self._close_quietly(key, sessions[0] if sessions else None)
         finally:
             self.digests.pop(key, None)
             self.steps.end(episode)
+
+    async def _steps(
+        self,
+        episode: TrackedEpisode,
+        key: str,
+        task: dict[str, Any],
+        restored: EnvironmentRecord | None,
+        sessions: list[str],
+    ) -> float:
+        # ``sessions`` receives the resources session id as soon as it is known, for clean-up.
+        if restored is not None and restored.boundary is not None:
+            sessions.append(restored.boundary.resources_session_id)
+            await self.steps.boundary(episode, episode.boundary)  # parks if closed
+        else:
+            sessions.append(await self._seed(episode, key, task))
+        return await self._advance(episode, key, task)
 
     async def _seed(self, episode: TrackedEpisode, key: str, task: dict[str, Any]) -> str:
         task_input = task["task_input"]
@@ -282,9 +238,9 @@ class EnvironmentParticipant(BaseParticipant):
     async def _advance(self, episode: TrackedEpisode, key: str, task: dict[str, Any]) -> float:
         activations = int(task["task_input"]["activations"])
         while True:
-            boundary = _BOUNDARY.validate_python(episode.boundary)
+            boundary = BOUNDARY_ADAPTER.validate_python(episode.boundary)
             following: Boundary
-            common: _Common = {
+            common: BoundaryCommon = {
                 "resources_session_id": boundary.resources_session_id,
                 "verify": boundary.verify,
             }

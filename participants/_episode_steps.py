@@ -5,7 +5,8 @@ is ``running``; inside a step it is in a ``wait_step`` (the checkpoint waits for
 ``replay_step`` (the checkpoint does not wait: after a crash the step runs again from the boundary
 before it); at a boundary while a checkpoint is open it is ``parked``. An episode blocks prepare
 iff it is retired (until it has stopped), or it is not a restart and is ``running`` or in a
-``wait_step``.
+``wait_step``. An episode's deadline, when it has one, is suspended while a checkpoint holds it:
+parked, or in a replay step while a checkpoint is open (never for a restart, which is not held).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 import anyio
 
+from ._episode_deadline import EpisodeDeadline
 from ._participant import ChangeNotifier
 
 StepState = Literal["running", "wait_step", "replay_step", "parked"]
@@ -34,6 +36,7 @@ class TrackedEpisode:
         retired: A retire is stopping it; it blocks prepare until it has stopped.
         restart: It uses a server that cannot capture its part: it never blocks or parks.
         finishing: Final clean-up has begun; a retire waits for it instead of cancelling.
+        deadline: Its time budget, if the environment gives one.
     """
 
     key: str
@@ -42,6 +45,7 @@ class TrackedEpisode:
     retired: bool = False
     restart: bool = False
     finishing: bool = False
+    deadline: EpisodeDeadline | None = None
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
     stopped: anyio.Event = field(default_factory=anyio.Event)
 
@@ -79,11 +83,15 @@ class EpisodeSteps:
         if self.accepting:
             self.accepting = False
             self._opened = anyio.Event()
+            for episode in self.episodes.values():
+                self._pace(episode)
 
     def open(self) -> None:
         """The checkpoint ended: parked episodes continue."""
         self.accepting = True
         self._opened.set()
+        for episode in self.episodes.values():
+            self._pace(episode)
         self.changes.notify()
 
     async def wait_open(self) -> None:
@@ -93,9 +101,14 @@ class EpisodeSteps:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def begin(self, key: str, boundary: dict[str, Any] | None) -> TrackedEpisode:
+    def begin(
+        self,
+        key: str,
+        boundary: dict[str, Any] | None,
+        deadline: EpisodeDeadline | None = None,
+    ) -> TrackedEpisode:
         """Track a new episode, at ``boundary`` when it continues a restored one."""
-        episode = TrackedEpisode(key=key, boundary=boundary)
+        episode = TrackedEpisode(key=key, boundary=boundary, deadline=deadline)
         self.episodes[key] = episode
         self.changes.notify()
         return episode
@@ -108,11 +121,9 @@ class EpisodeSteps:
         episode.boundary = boundary
         if not episode.restart:
             while not self.accepting:
-                episode.state = "parked"
-                self.changes.notify()
+                self._enter(episode, "parked")
                 await self._opened.wait()
-        episode.state = "running"
-        self.changes.notify()
+        self._enter(episode, "running")
 
     @asynccontextmanager
     async def step(self, episode: TrackedEpisode, mode: StepMode) -> AsyncIterator[None]:
@@ -123,25 +134,26 @@ class EpisodeSteps:
         the episode's boundary becomes ``None``: a checkpoint then exports it to start over from
         its input, and one failing episode cannot keep the checkpoint from being taken.
         """
-        episode.state = "wait_step" if mode == "wait" else "replay_step"
-        self.changes.notify()
+        self._enter(episode, "wait_step" if mode == "wait" else "replay_step")
         try:
             yield
         except Exception:
             if mode == "replay" and not self.accepting:
                 episode.boundary = None
+                self.changes.notify()
             else:
-                episode.state = "running"
-            self.changes.notify()
+                self._enter(episode, "running")
             raise
         if mode == "wait" or self.accepting:
-            episode.state = "running"
-        self.changes.notify()
+            self._enter(episode, "running")
+        else:
+            self.changes.notify()
 
     async def mark_restart(self, episode: TrackedEpisode) -> None:
         """Flag ``episode`` as a restart, once no checkpoint is open (the sets stay fixed in one)."""
         await self.wait_open()
         episode.restart = True
+        self._pace(episode)
         self.changes.notify()
 
     def finishing(self, episode: TrackedEpisode) -> None:
@@ -163,6 +175,22 @@ class EpisodeSteps:
             episode.scope.cancel()
         await episode.stopped.wait()
         self.end(episode)
+
+    def _enter(self, episode: TrackedEpisode, state: StepState) -> None:
+        episode.state = state
+        self._pace(episode)
+        self.changes.notify()
+
+    def _pace(self, episode: TrackedEpisode) -> None:
+        # The deadline stops while a checkpoint holds the episode, so a checkpoint never makes it
+        # run out of time; a restart is never held, so its deadline always counts.
+        if episode.deadline is None:
+            return
+        held = not self.accepting and not episode.restart
+        if held and episode.state in ("parked", "replay_step"):
+            episode.deadline.suspend()
+        else:
+            episode.deadline.resume()
 
     # ------------------------------------------------------------------ readiness
 

@@ -8,12 +8,14 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
 from e2e._cluster import default_cluster
 from e2e._cmd_serve import ServeContext
 from e2e._server_environment import create_environment_app
+from participants import ManualClock
 from protocols import CONTROL_PREFIX
 
 from .environment_peers import PeerLog, fake_peers_app
@@ -34,7 +36,9 @@ def run_body(key: str = "r1", attempt: int = 0, activations: int = 2) -> dict[st
 
 
 @asynccontextmanager
-async def environment_server(tmp_path: Path, log: PeerLog) -> AsyncIterator[httpx.AsyncClient]:
+async def environment_server(
+    tmp_path: Path, log: PeerLog, **options: Any
+) -> AsyncIterator[httpx.AsyncClient]:
     ctx = ServeContext(
         name="environment",
         port=0,
@@ -44,7 +48,7 @@ async def environment_server(tmp_path: Path, log: PeerLog) -> AsyncIterator[http
         capture_token=TOKEN,
     )
     peers = httpx.ASGITransport(app=fake_peers_app(log))
-    app = create_environment_app(ctx, agent_transport=peers, resources_transport=peers)
+    app = create_environment_app(ctx, agent_transport=peers, resources_transport=peers, **options)
     # ASGITransport does not run the lifespan: enter it here.
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
@@ -139,3 +143,24 @@ async def test_a_task_input_takes_the_contract_defaults(tmp_path: Path) -> None:
         reply = await client.post("/run", json=body)
     assert reply.json()["result"]["model_calls"] == 4  # A = 2, T = 2
     assert '"max_tokens":32' in log.seen("seed_session")[0]["body"]
+
+
+async def test_run_gives_up_on_an_episode_past_its_budget(tmp_path: Path) -> None:
+    log = PeerLog(hold_activation=2)
+    clock = ManualClock()
+    async with environment_server(tmp_path, log, episode_seconds=60.0, clock=clock) as client:
+        replies: list[httpx.Response] = []
+
+        async def run() -> None:
+            replies.append(await client.post("/run", json=run_body("r1")))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            with anyio.fail_after(10):
+                await log.held.wait()
+            clock.advance(60.0)
+    (reply,) = replies
+    assert reply.status_code == 200
+    assert reply.json()["failure"]["code"] == "deadline_exceeded"
+    assert log.seen("verify") == []
+    assert [r["route"] for r in log.requests[-2:]] == ["sessions/close", "close_session"]

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import anyio
 import pytest
-from anyio.abc import TaskGroup
 
-from participants import ControlPlane, EnvironmentParticipant, EpisodeOutcome
+from participants import EpisodeOutcome
 from protocols import (
     AdmissionClosedError,
     CheckpointError,
-    CheckpointRequest,
-    CommitRequest,
-    EpisodeId,
     InvalidCheckpointStateError,
     Phase,
     RestoreRequest,
@@ -28,88 +18,9 @@ from protocols import (
     task_digest,
 )
 
-from .environment_fakes import ScriptedPeers
+from .environment_fakes import Env, ScriptedPeers, environment, ep, settle, soon, task
 
 pytestmark = pytest.mark.anyio
-
-
-def task(rollout_id: str = "r1", activations: int = 2) -> dict[str, Any]:
-    return {
-        "task_id": {"taskset": "counter", "task_id": rollout_id},
-        "task_input": {"activations": activations, "turns": 2, "max_tokens": 32, "seed": 0},
-    }
-
-
-def ep(key: str) -> EpisodeId:
-    return EpisodeId.from_capture_key(key)
-
-
-def soon(seconds: float = 30.0) -> float:
-    return time.time() + seconds
-
-
-@dataclass
-class Env:
-    participant: EnvironmentParticipant
-    plane: ControlPlane
-    peers: ScriptedPeers
-    group: TaskGroup
-    root: Path
-    outcomes: dict[str, Any] = field(default_factory=dict)
-    done: dict[str, anyio.Event] = field(default_factory=dict)
-
-    def start(self, key: str, the_task: dict[str, Any] | None = None) -> None:
-        """Run ``key`` in the background; its outcome (or refusal) lands in ``outcomes``."""
-        self.done[key] = anyio.Event()
-
-        async def run() -> None:
-            try:
-                self.outcomes[key] = await self.participant.run(ep(key), the_task or task())
-            except Exception as exc:
-                self.outcomes[key] = exc
-            self.done[key].set()
-
-        self.group.start_soon(run)
-
-    async def outcome(self, key: str) -> Any:
-        with anyio.fail_after(10):
-            await self.done[key].wait()
-        return self.outcomes[key]
-
-    async def prepare(self, cid: str, seconds: float = 30.0) -> Phase:
-        reply = await self.plane.prepare(
-            CheckpointRequest(checkpoint_id=cid, deadline_ts=soon(seconds))
-        )
-        return reply.phase
-
-    async def commit(self, cid: str, scope: list[str] | None) -> list[dict[str, Any]]:
-        episode_ids = None if scope is None else [ep(k) for k in scope]
-        await self.plane.commit(
-            CommitRequest(
-                checkpoint_id=cid,
-                deadline_ts=soon(),
-                checkpoint_dir=str(self.root / cid),
-                episode_ids=episode_ids,
-            )
-        )
-        return await self.participant.export(episode_ids)
-
-    async def resume(self, cid: str) -> None:
-        await self.plane.resume(CheckpointRequest(checkpoint_id=cid, deadline_ts=soon()))
-
-
-@asynccontextmanager
-async def environment(root: Path, peers: ScriptedPeers | None = None) -> AsyncIterator[Env]:
-    scripted = peers or ScriptedPeers()
-    participant = EnvironmentParticipant("environment", scripted)
-    plane = ControlPlane(participant)
-    async with plane.running(), participant.serving(), anyio.create_task_group() as group:
-        yield Env(participant, plane, scripted, group, root)
-        group.cancel_scope.cancel()
-
-
-async def settle() -> None:
-    await anyio.wait_all_tasks_blocked()
 
 
 async def test_an_episode_seeds_runs_each_activation_verifies_and_returns(tmp_path: Path) -> None:

@@ -1,16 +1,18 @@
-"""The policy server (``midflight serve model``): chat completions captured through the ledger.
+"""The policy server (``midflight serve model``): model calls captured through the ledger.
 
-``POST /ng-rollout/<capture_key>/v1/chat/completions`` renders the messages into prompt bytes,
-passes the gate (a retired attempt is refused; while a checkpoint is open the call waits), resolves
-its parent through the capture ledger's lineage matcher, has the worker generate and stage it under
-a ``CaptureAdmission``, records the worker's commit coordinates as a custody row, then waits at
-egress while a checkpoint is open (the response is held) and logs the response to the evidence
-file, fsynced, before sending it. The control routes and the ledger routes are mounted beside it.
+Chat completions, the Responses API and the Messages API (:mod:`e2e._policy_apis`) reach one
+handler, :meth:`PolicyServer.serve`. A call under ``/ng-rollout/<capture_key>/`` renders its
+messages into prompt bytes, passes the gate (a retired attempt is refused; while a checkpoint is
+open the call waits), resolves its parent through the capture ledger's lineage matcher, has the
+worker generate and stage it under a ``CaptureAdmission``, records the worker's commit coordinates
+as a custody row, then waits at egress while a checkpoint is open (the response is held) and logs
+the response to the evidence file, fsynced, before sending it. A plain call (no prefix) is
+untagged: gated and held the same way, but never captured nor cut. The control routes and the
+ledger routes are mounted beside them.
 
-When admission closes, the participant asks the worker, on a separate control connection pool
-(the data connections are busy with the very generations being cut), to cut the calls in flight.
-After a restore, a re-issued call whose request matches a restored cut sends the cut's
-continuation with its admission and the worker generates only the remainder.
+When admission closes, the participant asks the worker (:mod:`e2e._policy_worker`) to cut the
+calls in flight. After a restore, a re-issued call whose request matches a restored cut sends the
+cut's continuation with its admission and the worker generates only the remainder.
 """
 
 from __future__ import annotations
@@ -21,20 +23,20 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any
 
 import anyio
 import anyio.to_thread
 import httpx
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 
 from participants import (
     DEFAULT_ADMISSION_WAIT_SECONDS,
     MODEL_FAULTS,
     ControlPlane,
+    ControlTelemetry,
     FileCaptureLedger,
     ModelParticipant,
     ModelTicket,
@@ -44,18 +46,13 @@ from participants import (
 )
 from protocols import (
     FINGERPRINT_VERSION,
-    MAX_COMPLETION_TOKENS,
     CallRecord,
     CaptureAdmission,
     CaptureLedger,
     CaptureLedgerCommit,
-    CheckpointCoordinatorUnavailableError,
     CommitCoords,
     CompletionReply,
     EpisodeId,
-    GenerationCutInventory,
-    GenerationCutReceipt,
-    InternalError,
     InvalidRequestError,
     LineageResolution,
     StaleAttemptError,
@@ -67,82 +64,27 @@ from protocols import (
 
 from ._cmd_serve import ServeContext, active_fault, control_settings
 from ._evidence import EvidenceLog, read_evidence
-
-CHAT_ROUTE: Final = "/ng-rollout/{capture_key}/v1/chat/completions"
-WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
-"""A generation may be held through a checkpoint on its way back; connecting must be quick."""
-GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
-CONTROL_POOL: Final = httpx.Limits(max_connections=8, max_keepalive_connections=4)
-
-
-def control_root(base_url: str) -> str:
-    """A worker's control root: its base URL without a trailing ``/`` and ``/v1``."""
-    root = base_url.rstrip("/")
-    return root[: -len("/v1")] if root.endswith("/v1") else root
-
-
-class HttpCutRequester:
-    """Asks workers to cut their calls, on a connection pool of its own.
-
-    Args:
-        control_token: The bearer token of the workers' control routes.
-        transport: Transport of the control client (tests inject one).
-    """
-
-    def __init__(
-        self, control_token: str | None, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
-        self._token = control_token
-        self._transport = transport
-        self.client: httpx.AsyncClient | None = None
-
-    @asynccontextmanager
-    async def running(self) -> AsyncIterator[None]:
-        """The control client, for as long as the server runs."""
-        headers = {"authorization": f"Bearer {self._token}"} if self._token else {}
-        async with httpx.AsyncClient(
-            headers=headers, limits=CONTROL_POOL, transport=self._transport
-        ) as client:
-            self.client = client
-            try:
-                yield
-            finally:
-                self.client = None
-
-    async def __call__(
-        self, backend: str, inventory: GenerationCutInventory, budget_seconds: float
-    ) -> GenerationCutReceipt:
-        """POST the inventory to ``backend``; raise on anything but a 2xx receipt."""
-        if self.client is None:
-            raise RuntimeError("the cut requester is not running")
-        response = await self.client.post(
-            control_root(backend) + GENERATION_CUT_PATH,
-            content=inventory.model_dump_json(),
-            headers={"content-type": "application/json"},
-            timeout=max(budget_seconds, 0.001),
-        )
-        response.raise_for_status()
-        return GenerationCutReceipt.model_validate_json(response.content)
-
-
-class ChatMessage(BaseModel):
-    """One chat message."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str = Field(max_length=1_048_576)
-
-
-class ChatCompletionRequest(BaseModel):
-    """Body of the chat completions route."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
-    max_tokens: int = Field(ge=1, le=MAX_COMPLETION_TOKENS)
-    tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
+from ._policy_apis import (
+    CHAT_API,
+    MESSAGES_API,
+    RESPONSES_API,
+    ROLLOUT_PREFIX,
+    ChatCompletionRequest,
+    MessagesRequest,
+    ModelApi,
+    ModelCall,
+    ModelReply,
+    ResponsesRequest,
+    chat_call,
+    messages_call,
+    responses_call,
+)
+from ._policy_worker import (
+    WORKER_TIMEOUT,
+    ContinuationRefused,
+    HttpCutRequester,
+    call_worker,
+)
 
 
 def request_digest(prompt: list[int]) -> str:
@@ -212,80 +154,81 @@ class PolicyServer:
             finally:
                 self.client = None
 
-    async def chat(self, key: str, body: ChatCompletionRequest) -> JSONResponse:
-        """Serve one chat completion of the attempt ``key`` (see the module docstring)."""
-        episode = EpisodeId.from_capture_key(key)
-        messages = [m.model_dump() for m in body.messages]
+    async def serve(self, key: str | None, call: ModelCall, api: ModelApi) -> JSONResponse:
+        """Serve one model call of the attempt ``key`` (``None``: untagged), in ``api``'s shape.
+
+        Every API reaches this one handler (see the module docstring). An untagged call passes
+        the gate like any other but is never captured, cut or written to the evidence.
+        """
+        episode = None if key is None else EpisodeId.from_capture_key(key)
         try:
-            prompt = encode(render_prompt(messages))
+            prompt = encode(render_prompt(call.messages))
         except ValueError as exc:  # a framing byte or a character outside Latin-1
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
-        ticket.request_digest = conversation_digest(messages)
-        ticket.restart_reason = generation_cut_restart_reason(body.model_dump())
+        ticket.request_digest = conversation_digest(call.messages)
+        ticket.restart_reason = generation_cut_restart_reason(call.constraints)
         gate = self.participant.gate
-        # Logged before the worker is asked: a call re-executed after a restore shows up even if
-        # its response is never delivered.
-        await anyio.to_thread.run_sync(
-            self.evidence.append,
-            {
-                "event": "admit",
-                "capture_key": key,
-                "model_call_id": ticket.model_call_id,
-                "request_digest": request_digest(prompt),
-                "t": time.time(),
-            },
-        )
+        if key is not None:
+            # Logged before the worker is asked: a call re-executed after a restore shows up
+            # even if its response is never delivered.
+            await anyio.to_thread.run_sync(
+                self.evidence.append,
+                {
+                    "event": "admit",
+                    "capture_key": key,
+                    "model_call_id": ticket.model_call_id,
+                    "request_digest": request_digest(prompt),
+                    "t": time.time(),
+                },
+            )
         handed_over = False
         try:
             with ticket.scope:
-                content, tokens = await self._generate(key, ticket, messages, prompt, body)
-                reply = {
-                    "id": f"chatcmpl-{ticket.model_call_id}",
-                    "choices": [
-                        {
-                            "index": 0,
-                            "message": {"role": "assistant", "content": content},
-                            "finish_reason": "length",
-                        }
-                    ],
-                    "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(tokens)},
-                    "ng_model_call_id": ticket.model_call_id,
-                }
-                await gate.deliver(ticket)
-                # Delivered from here on: a retire arriving now must not cut off the log line.
-                with anyio.CancelScope(shield=True):
-                    await anyio.to_thread.run_sync(
-                        self.evidence.append,
-                        {
-                            "event": "egress",
-                            "capture_key": key,
-                            "model_call_id": ticket.model_call_id,
-                            "request_digest": request_digest(prompt),
-                            "response_tokens": len(tokens),
-                            "continued_cut": ticket.claimed_cut is not None,
-                            "held": ticket.held,
-                            "t": time.time(),
-                        },
+                if key is None:
+                    reply = await self._call_worker(prompt, call.max_tokens, None)
+                    ticket.backend = self.worker_url  # never cut: it belongs to no episode
+                else:
+                    reply = await self._generate(key, ticket, call, prompt, api)
+                content = decode(reply.token_ids)
+                body = api.render(
+                    ModelReply(
+                        response_id=api.response_id(ticket.model_call_id),
+                        model_call_id=ticket.model_call_id,
+                        content=content,
+                        finish_reason=reply.finish_reason,
+                        prompt_tokens=len(prompt),
+                        completion_tokens=len(reply.token_ids),
                     )
-                handed_over = True
-                return _ReleasingResponse(
-                    reply, functools.partial(self.participant.release, ticket)
                 )
+                await gate.deliver(ticket)
+                if key is not None:
+                    # Delivered from here on: a retire arriving now must not cut off the log.
+                    with anyio.CancelScope(shield=True):
+                        await anyio.to_thread.run_sync(
+                            self.evidence.append,
+                            {
+                                "event": "egress",
+                                "capture_key": key,
+                                "model_call_id": ticket.model_call_id,
+                                "request_digest": request_digest(prompt),
+                                "response_tokens": len(reply.token_ids),
+                                "continued_cut": ticket.claimed_cut is not None,
+                                "held": ticket.held,
+                                "t": time.time(),
+                            },
+                        )
+                handed_over = True
+                return _ReleasingResponse(body, functools.partial(self.participant.release, ticket))
         finally:
             if not handed_over:
                 self.participant.release(ticket)
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 
     async def _generate(
-        self,
-        key: str,
-        ticket: ModelTicket,
-        messages: list[dict[str, Any]],
-        prompt: list[int],
-        body: ChatCompletionRequest,
-    ) -> tuple[str, list[int]]:
-        resolution = await self.ledger.resolve(key, messages)
+        self, key: str, ticket: ModelTicket, call: ModelCall, prompt: list[int], api: ModelApi
+    ) -> CompletionReply:
+        resolution = await self.ledger.resolve(key, call.messages)
         admission = _admission(key, ticket.model_call_id, resolution)
         if admission is None:
             if resolution.reason == "rollout_retired":
@@ -297,51 +240,39 @@ class PolicyServer:
         restored = self.participant.take_restored_cut(ticket) if admission is not None else None
         if admission is not None and restored is not None:
             continued = admission.model_copy(update={"generation_cut": restored.continuation})
+            cuts = self.participant.cut_telemetry
             try:
-                reply = await self._call_worker(prompt, body.max_tokens, continued)
+                reply = await self._call_worker(prompt, call.max_tokens, continued)
                 admission = continued
-            except InvalidRequestError:
+                cuts.continuation("continued", key, ticket.model_call_id)
+            except ContinuationRefused:
                 # The worker refused the cut before generating anything: regenerate instead.
                 ticket.claimed_cut = None
-                reply = await self._call_worker(prompt, body.max_tokens, admission)
+                cuts.continuation("refused", key, ticket.model_call_id)
+                reply = await self._call_worker(prompt, call.max_tokens, admission)
         else:
-            reply = await self._call_worker(prompt, body.max_tokens, admission)
-        content = decode(reply.token_ids)
+            reply = await self._call_worker(prompt, call.max_tokens, admission)
         if admission is not None:
-            await self._record(key, ticket, messages, content, admission, resolution, reply)
-        return content, reply.token_ids
+            content = decode(reply.token_ids)
+            await self._record(key, ticket, call, content, admission, resolution, reply, api)
+        return reply
 
     async def _call_worker(
         self, prompt: list[int], max_tokens: int, admission: CaptureAdmission | None
     ) -> CompletionReply:
         assert self.client is not None, "the policy server is not running"
-        payload: dict[str, Any] = {"prompt_token_ids": prompt, "max_tokens": max_tokens}
-        if admission is not None:
-            payload["ng_capture"] = admission.model_dump(mode="json")
-        try:
-            response = await self.client.post("/v1/completions", json=payload)
-        except httpx.TransportError as exc:
-            raise CheckpointCoordinatorUnavailableError(
-                f"the inference worker at {self.worker_url} is unreachable: {exc!r}"
-            ) from None
-        if response.status_code == 400 and admission is not None and admission.generation_cut:
-            raise InvalidRequestError(f"the worker refused the cut: {response.text[:500]}")
-        if response.status_code != 200:
-            raise InternalError(
-                f"the inference worker refused the call: {response.status_code} "
-                f"{response.text[:500]}"
-            )
-        return CompletionReply.model_validate_json(response.content)
+        return await call_worker(self.client, prompt, max_tokens, admission)
 
     async def _record(
         self,
         key: str,
         ticket: ModelTicket,
-        messages: list[dict[str, Any]],
+        call: ModelCall,
         content: str,
         admission: CaptureAdmission,
         resolution: LineageResolution,
         reply: CompletionReply,
+        api: ModelApi,
     ) -> None:
         coords = reply.ng_commit_coords
         reason = _coords_problem(coords, admission)
@@ -372,7 +303,7 @@ class PolicyServer:
             admitted_at=ticket.admitted_at,
             chain_hash=coords.chain_hash,
             cumulative_hash=coords.cumulative_hash,
-            response_id=f"chatcmpl-{ticket.model_call_id}",
+            response_id=api.response_id(ticket.model_call_id),
             fingerprint_version=FINGERPRINT_VERSION,
         )
         await self.ledger.record(
@@ -380,7 +311,7 @@ class PolicyServer:
                 rollout_id=key,
                 record=record,
                 staging_chain=(*parent_chain, coords.staging_key),
-                request_items=messages,
+                request_items=call.messages,
                 response_items=[{"role": "assistant", "content": content}],
             )
         )
@@ -440,9 +371,12 @@ def create_model_app(
     capture = ledger if ledger is not None else FileCaptureLedger(ctx.root / "ledger")
     fault = active_fault()
     requester = HttpCutRequester(ctx.control_token, worker_transport)
+    # One registry for the control plane and the cut counter: /metrics shows both.
+    telemetry = ControlTelemetry("model", ctx.name)
     participant = ModelParticipant(
         capture,
         ctx.name,
+        registry=telemetry.registry,
         faults=[fault] if fault in MODEL_FAULTS else [],
         cut_requester=requester,
         admission_wait_seconds=(
@@ -463,7 +397,7 @@ def create_model_app(
         async with server.running(), requester.running():
             yield
 
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(), telemetry=telemetry)
     app = participant_app(
         plane, token=ctx.control_token, title="midflight policy server", lifespan=lifespan
     )
@@ -478,8 +412,30 @@ def create_model_app(
             )
         )
 
-    @app.post(CHAT_ROUTE, summary="A chat completion of one episode's attempt")
+    # One handler, three thin adapters, each under the rollout prefix (a call of an episode)
+    # and plain (an untagged call: served and gated, never captured).
+    @app.post(ROLLOUT_PREFIX + CHAT_API.path, summary="A chat completion of one episode's attempt")
     async def chat_completions(capture_key: str, body: ChatCompletionRequest) -> JSONResponse:
-        return await server.chat(capture_key, body)
+        return await server.serve(capture_key, chat_call(body), CHAT_API)
+
+    @app.post(CHAT_API.path, summary="An untagged chat completion (captured by no episode)")
+    async def untagged_chat_completions(body: ChatCompletionRequest) -> JSONResponse:
+        return await server.serve(None, chat_call(body), CHAT_API)
+
+    @app.post(ROLLOUT_PREFIX + RESPONSES_API.path, summary="A response of one episode's attempt")
+    async def responses(capture_key: str, body: ResponsesRequest) -> JSONResponse:
+        return await server.serve(capture_key, responses_call(body), RESPONSES_API)
+
+    @app.post(RESPONSES_API.path, summary="An untagged response (captured by no episode)")
+    async def untagged_responses(body: ResponsesRequest) -> JSONResponse:
+        return await server.serve(None, responses_call(body), RESPONSES_API)
+
+    @app.post(ROLLOUT_PREFIX + MESSAGES_API.path, summary="A message of one episode's attempt")
+    async def messages(capture_key: str, body: MessagesRequest) -> JSONResponse:
+        return await server.serve(capture_key, messages_call(body), MESSAGES_API)
+
+    @app.post(MESSAGES_API.path, summary="An untagged message (captured by no episode)")
+    async def untagged_messages(body: MessagesRequest) -> JSONResponse:
+        return await server.serve(None, messages_call(body), MESSAGES_API)
 
     return app

@@ -68,7 +68,12 @@ from ._storage import (
     RecordsWriter,
     read_participant_checkpoint,
 )
-from ._telemetry import CONTROL_EVENTS, ControlTelemetry
+from ._telemetry import (
+    CONTROL_EVENTS,
+    GENERATION_CUT_OUTCOMES,
+    ControlTelemetry,
+    GenerationCutTelemetry,
+)
 from ._worker_calls import (
     ActiveCall,
     CaptureAdapter,
@@ -85,6 +90,7 @@ __all__ = [
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
+    "GENERATION_CUT_OUTCOMES",
     "LOCK_DIRECTORY",
     "MODEL_FAULTS",
     "RESOURCES_MODES",
@@ -111,6 +117,7 @@ __all__ = [
     "EpisodeSteps",
     "FileCaptureLedger",
     "FileTokenStagingStore",
+    "GenerationCutTelemetry",
     "Job",
     "LedgerCacheCollector",
     "ManualClock",

@@ -15,6 +15,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any, Final
 
 import anyio.to_thread
+from prometheus_client import CollectorRegistry
 
 from protocols import (
     MAX_LEDGER_BATCH,
@@ -35,6 +36,7 @@ from ._model_cuts import CutRequester, RestoredCuts, latest_cuts, run_cut_round
 from ._model_gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
 from ._participant import BaseParticipant, Record
 from ._report import build_report
+from ._telemetry import GenerationCutTelemetry
 
 MODEL_RECORD_FIELDS: Final = frozenset({"episode_id", "rows", "generation_cuts"})
 
@@ -75,6 +77,8 @@ class ModelParticipant(BaseParticipant):
         faults: Drill fault switches (:data:`MODEL_FAULTS`).
         cut_requester: Asks a worker to cut its calls; ``None`` takes no generation cuts.
         clock: Where the remaining prepare deadline is read (inject a ``ManualClock`` in tests).
+        registry: Where the ``midflight_generation_cuts`` counter lives (the control plane's
+            registry, so ``/metrics`` shows it); a registry of its own when omitted.
     """
 
     kind: ParticipantKind = "model"
@@ -88,6 +92,7 @@ class ModelParticipant(BaseParticipant):
         faults: Collection[str] = (),
         cut_requester: CutRequester | None = None,
         clock: Clock | None = None,
+        registry: CollectorRegistry | None = None,
     ) -> None:
         super().__init__()
         unknown = set(faults) - MODEL_FAULTS
@@ -105,12 +110,16 @@ class ModelParticipant(BaseParticipant):
         self.cut_requester = cut_requester
         self.clock: Clock = clock or SystemClock()
         self.cut_counts: dict[str, int] = {}
+        self.cut_telemetry = GenerationCutTelemetry(instance, registry)
         self.served = False
 
     # -- data plane -----------------------------------------------------------------------
 
-    async def admit(self, episode: EpisodeId) -> ModelTicket:
+    async def admit(self, episode: EpisodeId | None) -> ModelTicket:
         """Admit a call of ``episode`` (waiting while closed); mark a restored attempt started.
+
+        An untagged call (``episode=None``) passes the same gate and, like any call, makes this
+        process one that has served calls (restore refuses it).
 
         Raises:
             StaleAttemptError: The attempt is retired or fenced, or its ledger is.
@@ -118,6 +127,8 @@ class ModelParticipant(BaseParticipant):
         """
         ticket = await self.gate.admit(episode)
         self.served = True
+        if episode is None:
+            return ticket
         key = episode.capture_key
         if key in self.restored_targets:
             # The attempt starts here: its ledger must outlive a commit's delete_restored.
@@ -164,12 +175,16 @@ class ModelParticipant(BaseParticipant):
         self.cut_counts = {}
         if self.cut_requester is not None:
             budget = (request.deadline_ts - self.clock.time()) / 2
-            self.cut_counts = await run_cut_round(
+            cut_round = await run_cut_round(
                 list(self.gate.tickets.values()),
                 checkpoint_id=request.checkpoint_id,
                 server_name=self.instance,
                 requester=self.cut_requester,
                 budget_seconds=budget,
+            )
+            self.cut_counts = cut_round.counts
+            self.cut_telemetry.cut_round(
+                request.checkpoint_id, cut_round.counts, cut_round.failures
             )
         self.changes.notify()
 

@@ -14,8 +14,8 @@ has started its response, so a re-issued call still undelivered at the next chec
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
@@ -30,8 +30,6 @@ from protocols import (
 )
 
 from ._model_gate import ModelTicket
-
-_log = logging.getLogger(__name__)
 
 GUIDED_FIELDS: Final = (
     "guided_choice",
@@ -71,11 +69,24 @@ def generation_cut_restart_reason(body: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _prefix(ticket: ModelTicket) -> GenerationCutPrefix:
+@dataclass(frozen=True)
+class CutRound:
+    """What one cut round did.
+
+    Attributes:
+        counts: ``cut``, ``cut_failed`` and ``cut_skipped`` calls.
+        failures: Worker base URL → the error that failed its whole round.
+    """
+
+    counts: dict[str, int]
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+def _prefix(ticket: ModelTicket, episode: EpisodeId) -> GenerationCutPrefix:
     return GenerationCutPrefix(
         ticket_id=ticket.model_call_id,
-        rollout_id=ticket.episode.rollout_id,
-        attempt=ticket.episode.attempt,
+        rollout_id=episode.rollout_id,
+        attempt=episode.attempt,
         model_call_id=ticket.model_call_id,
         admitted_at=ticket.admitted_at,
     )
@@ -88,27 +99,30 @@ async def run_cut_round(
     server_name: str,
     requester: CutRequester,
     budget_seconds: float,
-) -> dict[str, int]:
+) -> CutRound:
     """Cut every eligible ticket, one inventory per worker, all workers at once.
 
-    Each ticket gets ``cut`` (its ack) and, for a durable prefix, ``cut_record``. Returns the counts
-    ``cut``, ``cut_failed`` and ``cut_skipped``. Never raises for a worker's failure.
+    Each ticket gets ``cut`` (its ack) and, for a durable prefix, ``cut_record``. Never raises for
+    a worker's failure: it is reported in the result.
     """
-    by_backend: dict[str, list[ModelTicket]] = {}
+    by_backend: dict[str, list[tuple[ModelTicket, EpisodeId]]] = {}
     skipped = 0
+    failures: dict[str, str] = {}
     for ticket in tickets:
         if ticket.response_started or ticket.backend is None:
             continue  # delivered, or not on a worker yet: it stays held, uncut
+        if ticket.episode is None:
+            continue  # an untagged call belongs to no episode: nothing could continue its cut
         if ticket.restart_reason is not None:
             skipped += 1
             continue
-        by_backend.setdefault(ticket.backend, []).append(ticket)
+        by_backend.setdefault(ticket.backend, []).append((ticket, ticket.episode))
 
-    async def cut_backend(backend: str, group: list[ModelTicket]) -> None:
+    async def cut_backend(backend: str, group: list[tuple[ModelTicket, EpisodeId]]) -> None:
         inventory = GenerationCutInventory.build(
             checkpoint_id=checkpoint_id,
             server_name=server_name,
-            active_prefixes=[_prefix(t) for t in group],
+            active_prefixes=[_prefix(t, e) for t, e in group],
         )
         acks: dict[str, GenerationCutPrefixAck] = {}
         try:
@@ -117,14 +131,10 @@ async def run_cut_round(
             receipt.validate_for(inventory)
             acks = {ack.ticket_id: ack for ack in receipt.prefixes}
         except Exception as exc:  # a cut is optional: any failure regenerates
-            _log.warning(
-                "generation cut failed on %s (%r); those calls regenerate after restore",
-                backend,
-                exc,
-            )
-        for ticket in group:
+            failures[backend] = repr(exc)[:500]
+        for ticket, episode in group:
             ack = acks.get(ticket.model_call_id)
-            ticket.cut = ack or GenerationCutPrefixAck.failure(_prefix(ticket))
+            ticket.cut = ack or GenerationCutPrefixAck.failure(_prefix(ticket, episode))
             if ticket.cut.disposition == "durable_prefix" and ticket.request_digest:
                 ticket.cut_record = GenerationCutRecord(
                     model_call_id=ticket.model_call_id,
@@ -135,16 +145,17 @@ async def run_cut_round(
     async with anyio.create_task_group() as group:
         for backend, members in sorted(by_backend.items()):
             group.start_soon(cut_backend, backend, members)
-    cut = sum(1 for g in by_backend.values() for t in g if t.cut_record is not None)
+    cut = sum(1 for g in by_backend.values() for t, _ in g if t.cut_record is not None)
     total = sum(len(g) for g in by_backend.values())
-    return {"cut": cut, "cut_failed": total - cut, "cut_skipped": skipped}
+    counts = {"cut": cut, "cut_failed": total - cut, "cut_skipped": skipped}
+    return CutRound(counts, failures)
 
 
 def latest_cuts(tickets: Iterable[ModelTicket]) -> dict[str, GenerationCutRecord]:
     """One cut per capture key: that of the latest-admitted ticket holding one."""
     best: dict[str, ModelTicket] = {}
     for ticket in tickets:
-        if ticket.cut_record is None or ticket.response_started:
+        if ticket.cut_record is None or ticket.response_started or ticket.episode is None:
             continue
         key = ticket.episode.capture_key
         if key not in best or ticket.admitted_at > best[key].admitted_at:
@@ -160,6 +171,8 @@ class RestoredCuts:
 
     def take(self, ticket: ModelTicket, request_digest: str) -> GenerationCutRecord | None:
         """The restored cut of the ticket's attempt if its request matches; claimed by it."""
+        if ticket.episode is None:
+            return None
         record = self.records.get(ticket.episode.capture_key)
         if record is None or record.request_digest != request_digest:
             return None
@@ -168,7 +181,7 @@ class RestoredCuts:
 
     def settle(self, ticket: ModelTicket) -> None:
         """Free the cut a ticket used once its response has started (it is consumed)."""
-        if ticket.claimed_cut is not None and ticket.response_started:
+        if ticket.claimed_cut is not None and ticket.response_started and ticket.episode:
             key = ticket.episode.capture_key
             if self.records.get(key) is ticket.claimed_cut:
                 del self.records[key]

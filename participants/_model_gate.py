@@ -37,7 +37,8 @@ class ModelTicket:
     """One admitted model call.
 
     Attributes:
-        episode: The attempt the call belongs to.
+        episode: The attempt the call belongs to; ``None`` for an untagged call (eval, judge,
+            probe), which is gated like any other but belongs to no episode.
         model_call_id: The call's id, fixed at admission so an export taken while the call runs
             already knows which ledger row to leave out.
         admitted_at: Wall-clock admission time (recorded in the call's ledger row).
@@ -53,7 +54,7 @@ class ModelTicket:
         claimed_cut: The restored cut this call continues.
     """
 
-    episode: EpisodeId
+    episode: EpisodeId | None
     model_call_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     admitted_at: float = field(default_factory=time.time)
     scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
@@ -95,8 +96,8 @@ class ModelGate:
 
     # -- admission ------------------------------------------------------------------------
 
-    async def admit(self, episode: EpisodeId) -> ModelTicket:
-        """A ticket for a new call of ``episode``, waiting while admission is closed.
+    async def admit(self, episode: EpisodeId | None) -> ModelTicket:
+        """A ticket for a new call of ``episode`` (``None``: untagged), waiting while closed.
 
         Raises:
             StaleAttemptError: The attempt is retired or fenced (also after waiting).
@@ -104,7 +105,8 @@ class ModelGate:
         """
         with anyio.move_on_after(self.admission_wait_seconds):
             while True:
-                self._marks().check(episode)
+                if episode is not None:
+                    self._marks().check(episode)
                 if self.accepting:
                     ticket = ModelTicket(
                         episode
@@ -171,8 +173,13 @@ class ModelGate:
         return {t.model_call_id for t in self.tickets.values() if not t.response_started}
 
     def in_transmission(self) -> list[str]:
-        """Capture keys of calls whose response has started but not yet left the server."""
-        return [t.episode.capture_key for t in self.tickets.values() if t.response_started]
+        """Calls whose response has started but not yet left the server: their capture keys,
+        ``untagged:<model_call_id>`` for an untagged call."""
+        return [
+            f"untagged:{t.model_call_id}" if t.episode is None else t.episode.capture_key
+            for t in self.tickets.values()
+            if t.response_started
+        ]
 
     def held_count(self) -> int:
         """Responses waiting at egress now."""
@@ -181,7 +188,10 @@ class ModelGate:
     async def cancel_covered(self, retired: EpisodeId) -> None:
         """Wake waiters (they re-check marks), cancel covered calls and wait until they left."""
         self._wake_waiters()
-        covered = [t for t in self.tickets.values() if retired.covers(t.episode)]
+        # An untagged call belongs to no attempt: a retire never cancels it.
+        covered = [
+            t for t in self.tickets.values() if t.episode is not None and retired.covers(t.episode)
+        ]
         for ticket in covered:
             ticket.scope.cancel()
         for ticket in covered:

@@ -6,7 +6,8 @@ process. Event names come from a fixed vocabulary (``CONTROL_EVENTS``); tokens a
 
 from __future__ import annotations
 
-from typing import Any, Final
+from collections.abc import Mapping
+from typing import Any, Final, Literal
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -107,3 +108,68 @@ class ControlTelemetry:
         """Record a control-plane event that is not an operation reply."""
         self.events.labels(event=name).inc()
         self.log.warning(f"checkpoint.{name}", **context)
+
+
+GENERATION_CUT_OUTCOMES: Final = ("cut", "failed", "skipped", "continued", "refused")
+"""Labels of ``midflight_generation_cuts_total``: what became of a call's cut.
+
+``cut``, ``failed`` and ``skipped`` (constrained decoding) are counted per call at each cut round;
+``continued`` when a re-issued call hands its restored cut to the worker and the worker accepts
+it, ``refused`` when the worker refuses it and the call regenerates.
+"""
+
+
+class GenerationCutTelemetry:
+    """The policy server's generation-cut counter and its events.
+
+    One ``generation_cut.round`` event per cut round (a warning when a worker's round failed),
+    one ``generation_cut.continued`` / ``generation_cut.refused`` event per restored cut offered
+    to a worker.
+
+    Args:
+        instance: The model participant's instance (bound on every event).
+        registry: The server's registry (the control plane's, so ``/metrics`` shows it).
+    """
+
+    def __init__(self, instance: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.log = structlog.get_logger("midflight.model").bind(participant=f"model/{instance}")
+        self.cuts = Counter(
+            "midflight_generation_cuts",
+            "Generation cuts by outcome: cut, failed, skipped, continued, refused.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in GENERATION_CUT_OUTCOMES:  # every outcome scrapes, zero until it happens
+            self.cuts.labels(outcome=outcome)
+
+    def cut_round(
+        self, checkpoint_id: str, counts: Mapping[str, int], failures: Mapping[str, str]
+    ) -> None:
+        """Record one cut round: ``counts`` of ``cut``/``cut_failed``/``cut_skipped`` calls and the
+        error of each worker whose whole round failed."""
+        for outcome, name in (("cut", "cut"), ("failed", "cut_failed"), ("skipped", "cut_skipped")):
+            if counts.get(name, 0):
+                self.cuts.labels(outcome=outcome).inc(counts[name])
+        context = {
+            "checkpoint_id": checkpoint_id,
+            "calls": sum(counts.values()),
+            **counts,
+            "failed_workers": dict(sorted(failures.items())),
+        }
+        if failures or counts.get("cut_failed", 0):
+            # Not an error: those calls regenerate after a restore. Operators see why.
+            self.log.warning("generation_cut.round", **context)
+        else:
+            self.log.info("generation_cut.round", **context)
+
+    def continuation(
+        self, outcome: Literal["continued", "refused"], capture_key: str, model_call_id: str
+    ) -> None:
+        """Record a restored cut the worker accepted (``continued``) or refused."""
+        self.cuts.labels(outcome=outcome).inc()
+        event = f"generation_cut.{outcome}"
+        if outcome == "continued":
+            self.log.info(event, capture_key=capture_key, model_call_id=model_call_id)
+        else:
+            self.log.warning(event, capture_key=capture_key, model_call_id=model_call_id)

@@ -238,3 +238,45 @@ async def test_bad_requests_are_refused_before_anything_changes(tmp_path: Path) 
     assert [r.status_code for r in (bad_key, framing, extra)] == [400, 422, 422]
     assert bad_key.json()["error"]["code"] == "invalid_rollout_id"
     assert not (tmp_path / "ledger" / "r1.lineage.jsonl").exists()
+
+
+async def test_a_call_waiting_at_admission_when_its_attempt_is_retired_gets_stale_attempt(
+    tmp_path: Path,
+) -> None:
+    checkpoint = str(tmp_path / "ckpt")
+    scope = [{"rollout_id": "r1", "attempt": 0}]
+    async with policy(tmp_path) as (client, _app):
+        messages = await conversation(client, "r1", 1)
+        await control(client, "prepare", checkpoint_id="c1")
+        await control(
+            client, "commit", checkpoint_id="c1", checkpoint_dir=checkpoint, episode_ids=scope
+        )
+    async with policy(tmp_path) as (client, app):
+        restored = await control(
+            client, "restore", checkpoint_id="c2", checkpoint_dir=checkpoint, episode_ids=scope
+        )
+        assert restored.status_code == 200, restored.text
+        replies: list[httpx.Response] = []
+
+        async def reissued() -> None:
+            replies.append(await chat(client, "r1-a1", messages))
+
+        # The bound turns a waiter that is never refused into a failure, not a hang.
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as group:
+                group.start_soon(reissued)
+                # Restored, not resumed: admission is closed and the call waits without a ticket.
+                await until(app, lambda p: p.gate.waiting == 1)
+                retired = await control(
+                    client,
+                    "retire",
+                    checkpoint_id="c2",  # a restored process retires under its restore id
+                    episode_ids=[{"rollout_id": "r1", "attempt": 1}],
+                )
+                assert retired.status_code == 200, retired.text
+        assert app.state.policy.participant.gate.tickets == {}
+    assert replies[0].status_code == 409, replies[0].text
+    assert replies[0].json()["error"]["code"] == "stale_attempt"
+    assert [
+        e for e in read_policy_evidence(tmp_path, event="admit") if e["capture_key"] == "r1-a1"
+    ] == []

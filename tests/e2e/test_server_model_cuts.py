@@ -13,11 +13,13 @@ import anyio
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from e2e._cluster import default_cluster
 from e2e._cmd_serve import ServeContext
 from e2e._server_model import create_model_app, read_policy_evidence
 from e2e._worker import WorkerSettings, create_worker_app, read_worker_evidence
+from participants import FileTokenStagingStore
 from protocols import LEDGER_CONTROL_PREFIX
 from tests.e2e.test_server_model import (
     AUTH,
@@ -101,6 +103,17 @@ async def _restore(client: httpx.AsyncClient, root: Path, checkpoint_id: str) ->
     assert (await control(client, "resume", checkpoint_id=checkpoint_id)).status_code == 200
 
 
+async def _cut_outcomes(client: httpx.AsyncClient) -> dict[str, float]:
+    """``midflight_generation_cuts_total`` by outcome, as ``/metrics`` shows it."""
+    text = (await client.get("/metrics")).text
+    return {
+        sample.labels["outcome"]: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "midflight_generation_cuts_total"
+    }
+
+
 async def test_a_held_call_is_cut_and_its_reissue_continues_only_the_remainder(
     tmp_path: Path,
 ) -> None:
@@ -114,6 +127,8 @@ async def test_a_held_call_is_cut_and_its_reissue_continues_only_the_remainder(
         await _restore(client, tmp_path, "c2")
         reissued = await _chat(client, "r1-a1", messages)
         content_of(reissued)
+        outcomes = await _cut_outcomes(client)
+    assert (outcomes["continued"], outcomes["refused"]) == (1, 0)
     (generation,) = [e for e in read_worker_evidence(tmp_path) if e["capture_key"] == "r1-a1"]
     assert generation["continued_from"] is not None
     assert generation["tokens_continued"] >= 1  # the worker had decoded tokens at the cut
@@ -190,3 +205,22 @@ async def test_restoring_the_same_checkpoint_again_drops_the_dead_runs_calls(
     assert ids[:1] == checkpointed and len(ids) == 2
     assert dead_ids[1] not in ids
     assert manifest["records"][1]["parent_call_id"] == checkpointed[0]
+
+
+async def test_a_continuation_the_worker_refuses_regenerates_from_scratch(tmp_path: Path) -> None:
+    committed, messages = await _checkpoint_with_a_held_call(tmp_path)
+    cut_keys = [k for k in committed["staging_keys"] if k.startswith("__generation_cut__/")]
+    assert committed["counts"]["cut"] == 1 and cut_keys
+    store = FileTokenStagingStore(tmp_path / "staging")
+    for key in cut_keys:  # the prefix is lost: the worker cannot rebuild the cut and refuses it
+        assert store.delete(key)
+    async with cutting_policy(tmp_path) as (client, _app):
+        await _restore(client, tmp_path, "c2")
+        reissued = await _chat(client, "r1-a1", messages)
+        content_of(reissued)
+        outcomes = await _cut_outcomes(client)
+    assert (outcomes["continued"], outcomes["refused"]) == (0, 1)
+    (generation,) = [e for e in read_worker_evidence(tmp_path) if e["capture_key"] == "r1-a1"]
+    assert generation["continued_from"] is None
+    assert (generation["tokens_continued"], generation["tokens_generated"]) == (0, 40)
+    assert read_policy_evidence(tmp_path)[-1]["continued_cut"] is False

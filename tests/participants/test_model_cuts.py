@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import anyio
 import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
 
 from participants import (
+    GENERATION_CUT_OUTCOMES,
     ManualClock,
     MemoryCaptureLedger,
     ModelParticipant,
@@ -272,3 +277,85 @@ async def test_a_started_response_blocks_prepare_until_sent_and_new_calls_wait()
         assert admitted == []
         await model.open_admission()
     assert len(admitted) == 1
+
+
+class SplitWorker(FakeWorker):
+    """Cuts on one worker; every other worker's round fails as a refusal would."""
+
+    async def __call__(
+        self, backend: str, inventory: GenerationCutInventory, budget_seconds: float
+    ) -> GenerationCutReceipt:
+        if backend != WORKER:
+            raise RuntimeError(f"500 from {backend}")
+        return await super().__call__(backend, inventory, budget_seconds)
+
+
+@asynccontextmanager
+async def _one_of_each() -> AsyncIterator[tuple[ModelParticipant, CollectorRegistry]]:
+    """Calls that are cut, failed, skipped, held and not on a worker, after a close."""
+    registry = CollectorRegistry()
+    model = ModelParticipant(MemoryCaptureLedger(), cut_requester=SplitWorker(), registry=registry)
+    await _on_worker(model)
+    failing = await _on_worker(model, EpisodeId(rollout_id="r2"))
+    failing.backend = "http://127.0.0.1:2"
+    await _on_worker(model, EpisodeId(rollout_id="r3"), restart="tool_choice:required")
+    held = await model.admit(EpisodeId(rollout_id="r4"))  # finished, response not started
+    await model.admit(EpisodeId(rollout_id="r5"))  # not on a worker yet
+    await model.close_admission(_close())
+    async with anyio.create_task_group() as group:
+        group.start_soon(model.gate.deliver, held)
+        await anyio.wait_all_tasks_blocked()  # the response waits at egress
+        yield model, registry
+        group.cancel_scope.cancel()
+
+
+async def test_readiness_counts_inflight_held_cut_failed_and_skipped_calls() -> None:
+    async with _one_of_each() as (model, _):
+        report = model.readiness()
+    assert report.ready
+    assert report.counts == {"inflight": 5, "held": 1, "cut": 1, "cut_failed": 1, "cut_skipped": 1}
+
+
+async def test_a_cut_round_counts_each_outcome_and_logs_one_event() -> None:
+    with capture_logs() as logs:
+        async with _one_of_each() as (_, registry):
+            pass
+    values = {
+        outcome: registry.get_sample_value("midflight_generation_cuts_total", {"outcome": outcome})
+        for outcome in GENERATION_CUT_OUTCOMES
+    }
+    assert values == {"cut": 1, "failed": 1, "skipped": 1, "continued": 0, "refused": 0}
+    (event,) = [e for e in logs if e["event"] == "generation_cut.round"]
+    assert event["log_level"] == "warning"  # a worker failed: its calls regenerate
+    assert (event["calls"], event["cut"], event["cut_failed"], event["cut_skipped"]) == (3, 1, 1, 1)
+    assert list(event["failed_workers"]) == ["http://127.0.0.1:2"]
+    assert event["participant"] == "model/policy" and event["checkpoint_id"] == "c1"
+
+
+async def test_an_untagged_call_is_never_cut_nor_cancelled_by_a_retire() -> None:
+    worker = FakeWorker()
+    model = _model(worker)
+    untagged = await model.admit(None)
+    untagged.backend = WORKER
+    untagged.request_digest = DIGEST
+    tagged = await _on_worker(model, EpisodeId(rollout_id="r2"))
+    await model.close_admission(_close())
+    (inventory,) = worker.inventories
+    assert [p.model_call_id for p in inventory.active_prefixes] == [tagged.model_call_id]
+    assert untagged.model_call_id not in {p.model_call_id for p in inventory.active_prefixes}
+    assert untagged.cut is None and model.readiness().counts["inflight"] == 2
+    await model.open_admission()
+    await model.retire(R1)
+    assert set(model.gate.tickets) == {untagged.model_call_id, tagged.model_call_id}
+    assert not untagged.scope.cancel_called
+
+
+async def test_an_untagged_response_being_sent_blocks_prepare_under_a_synthetic_name() -> None:
+    model = _model(FakeWorker())
+    untagged = await model.admit(None)
+    await model.gate.deliver(untagged)  # its response started before the close
+    await model.close_admission(_close())
+    report = model.readiness()
+    assert (report.ready, report.blockers) == (False, [f"untagged:{untagged.model_call_id}"])
+    model.release(untagged)
+    assert model.readiness().ready

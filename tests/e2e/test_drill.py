@@ -55,6 +55,16 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     assert figures["held_delivered"] >= 1
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
     assert figures["cut_continued"] >= 1
+    # The restart-only share (one rollout of four, through the restart-only agent) was reported
+    # as a restart by a checkpoint, and was rerun after a crash or finished after the checkpoint.
+    checkpoints = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "evidence" / "driver.jsonl").read_text().splitlines()
+        if '"checkpoint"' in line
+    ]
+    restarts = {key for c in checkpoints if c["event"] == "checkpoint" for key in c["restarts"]}
+    assert restarts and {key.split("-")[0] for key in restarts} == {"r000"}, checkpoints
+    assert not any("r000" in key for c in checkpoints for key in c.get("continued", []))
 
 
 def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseline(

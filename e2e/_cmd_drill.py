@@ -63,6 +63,14 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(help="The resources server's mode: exported, stateless, restart_only."),
         ] = "exported",
+        restart_only_share: Annotated[
+            float,
+            typer.Option(
+                min=0.0,
+                max=1.0,
+                help="Share of the rollouts run through a restart-only agent (0 for none).",
+            ),
+        ] = 0.2,
         keep_dir: Annotated[
             Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
         ] = None,
@@ -87,6 +95,7 @@ def register(app: typer.Typer) -> None:
             fault=fault,
             verify=verify,
             resources_mode=resources_mode,
+            restart_only_share=restart_only_share,
         )
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
         lines: list[str] = []

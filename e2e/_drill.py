@@ -21,11 +21,11 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from ._evidence import EvidenceLog
 from ._oracle import Figures, compute_figures, rollout_outcomes
-from ._supervisor import Supervisor, SupervisorOptions
+from ._supervisor import ExtraServer, Supervisor, SupervisorOptions
 
 FAULTS = {
     "rerun-from-input": "repeated_model_calls",
@@ -35,6 +35,10 @@ FAULTS = {
     "ignore-cuts": "extra_tokens_generated",
 }
 """Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``)."""
+
+RESTART_AGENT: Final = "agent-restart"
+RESTART_ENVIRONMENT: Final = "environment-restart"
+"""The second agent (restart-only) and the environment that drives it."""
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,16 @@ class DrillOptions:
     phase_timeout_s: float = 120.0
     verify: str = "wait"
     resources_mode: str = "exported"
+    restart_only_share: float = 0.2
+
+
+def restart_only_rollouts(rollouts: list[str], share: float) -> list[str]:
+    """The rollouts run through the restart-only agent: ``round(share * n)``, at least one for a
+    positive share, spread evenly over the list."""
+    if share <= 0 or not rollouts:
+        return []
+    count = min(len(rollouts), max(1, round(share * len(rollouts))))
+    return [rollouts[(k * len(rollouts)) // count] for k in range(count)]
 
 
 class DriverProcess:
@@ -152,12 +166,22 @@ def run_cluster(
         "seed": options.seed,
     }
     evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
+    restart_only = restart_only_rollouts(rollouts, options.restart_only_share)
+    extra: tuple[ExtraServer, ...] = ()
+    if restart_only:
+        # The environment sends every episode to one agent, so the restart-only agent gets an
+        # environment of its own; the driver sends it the restart-only share.
+        extra = (
+            ExtraServer(RESTART_AGENT, "agent", {"restart_only": True}),
+            ExtraServer(RESTART_ENVIRONMENT, "environment", peers={"agent": RESTART_AGENT}),
+        )
     supervisor_options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
             "resources": {"mode": options.resources_mode, "verify": options.verify},
         },
         env=env,
+        extra_servers=extra,
     )
     with Supervisor(root, token, supervisor_options) as supervisor:
         for phase in range(crashes + 1):
@@ -170,6 +194,8 @@ def run_cluster(
                 "crash_after": crash_after,
                 "concurrency": options.concurrency,
                 "fault": options.fault,
+                "restart_only_rollouts": restart_only,
+                "restart_environment": RESTART_ENVIRONMENT,
             }
             driver = DriverProcess(root, supervisor.cluster_path, plan, env)
             try:

@@ -46,6 +46,8 @@ class DriverPlan:
     concurrency: int = 4
     fault: str | None = None
     commit_delay_s: float = 0.3
+    restart_only_rollouts: list[str] = field(default_factory=list)
+    restart_environment: str = ""
 
     @classmethod
     def load(cls, path: Path) -> DriverPlan:
@@ -118,7 +120,7 @@ class Driver:
                 "episode_id": episode.model_dump(),
                 "task": _task(rollout, self.plan.task_input),
             }
-            url = self.cluster.url_of("environment") + "/run"
+            url = self.environment_url(rollout) + "/run"
             while True:
                 reply = await self.http.post(url, json=body)
                 code = _error_code(reply)
@@ -154,6 +156,15 @@ class Driver:
                 del self.in_flight[rollout]
             self.done_events[rollout].set()
             self.wake.set()
+
+    def environment_url(self, rollout: str) -> str:
+        """The environment that runs ``rollout``: the restart-only share has its own."""
+        if rollout in self.plan.restart_only_rollouts:
+            for server in self.cluster.servers:
+                if server.name == self.plan.restart_environment:
+                    return server.url
+            raise LookupError(f"the cluster file lists no {self.plan.restart_environment}")
+        return self.cluster.url_of("environment")
 
     # ------------------------------------------------------------------ checkpoint
     def finished(self) -> bool:

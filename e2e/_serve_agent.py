@@ -22,7 +22,14 @@ def register(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["agent"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        restart_only: Annotated[
+            bool,
+            typer.Option(
+                "--restart-only/--no-restart-only",
+                help="Sessions are restarted after a crash, never captured (opaque harnesses).",
+            ),
+        ] = False,
     ) -> None:
         """The agent server (default port 8704): sessions driven by the environment."""
         options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
-        run_server(create_agent_app(options), options)
+        run_server(create_agent_app(options, restart_only=restart_only), options)

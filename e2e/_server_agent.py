@@ -7,6 +7,9 @@ Routes, besides the control routes, ``/healthz`` and ``/metrics``:
 - ``POST /ng-rollout/<key>/sessions/activate`` with ``x-ng-agent-activation: <a>`` →
   ``{"activation", "messages", "turns"}``
 - ``POST /ng-rollout/<key>/sessions/close`` → ``{}``
+
+With ``restart_only`` the server runs a :class:`participants.RestartOnlyAgentParticipant`: the
+same sessions, never captured, and every seed reply carries ``x-ng-checkpoint-restart: 1``.
 """
 
 from __future__ import annotations
@@ -16,15 +19,22 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Annotated, Any, Final, Literal
 
 import httpx
-from fastapi import FastAPI, Header
+from fastapi import FastAPI, Header, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from participants import AgentParticipant, AgentTaskInput, ControlPlane, participant_app
+from participants import (
+    AgentParticipant,
+    AgentTaskInput,
+    ControlPlane,
+    RestartOnlyAgentParticipant,
+    participant_app,
+)
 from protocols import EpisodeId, InternalError, MidflightError, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
+RESTART_HEADER: Final = "x-ng-checkpoint-restart"
 HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """Model and tool calls may be held through a checkpoint, hence the long read timeout."""
 
@@ -101,17 +111,22 @@ class HttpAgentPeers:
 
 
 def create_agent_app(
-    ctx: ServeContext, *, transports: Mapping[str, httpx.AsyncBaseTransport] | None = None
+    ctx: ServeContext,
+    *,
+    restart_only: bool = False,
+    transports: Mapping[str, httpx.AsyncBaseTransport] | None = None,
 ) -> FastAPI:
     """The agent server's ASGI app.
 
     Args:
         ctx: Name, peers, tokens.
+        restart_only: Serve sessions that are restarted after a crash, never continued.
         transports: Per peer role (``model``, ``resources``), a transport to use instead of the
             network (tests pass ``httpx.ASGITransport`` of fake peers).
     """
     peers = HttpAgentPeers()
-    participant = AgentParticipant(ctx.name, peers)
+    kind = RestartOnlyAgentParticipant if restart_only else AgentParticipant
+    participant = kind(ctx.name, peers)
     plane = ControlPlane(participant, settings=control_settings())
 
     @asynccontextmanager
@@ -136,10 +151,12 @@ def create_agent_app(
     app.state.plane = plane
 
     @app.post("/ng-rollout/{capture_key}/sessions/seed")
-    async def seed(capture_key: str, body: SeedBody) -> dict[str, str]:
+    async def seed(capture_key: str, body: SeedBody, response: Response) -> dict[str, str]:
         """Open the session of this attempt; waits while a checkpoint is open."""
         episode_id = EpisodeId.from_capture_key(capture_key)
         key = await participant.seed(episode_id, body.resources_session_id, body.task_input)
+        if restart_only:  # the environment then runs the episode as a restart
+            response.headers[RESTART_HEADER] = "1"
         return {"session_key": key}
 
     @app.post("/ng-rollout/{capture_key}/sessions/activate", response_model=ActivationReply)

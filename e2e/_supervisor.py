@@ -29,6 +29,24 @@ LOGS_SUBDIR: Final = "logs"
 
 
 @dataclass(frozen=True)
+class ExtraServer:
+    """A server beyond the one per role, started after them (a restart-only agent, say).
+
+    Attributes:
+        name: Its server name (the instance; unique in the cluster).
+        role: Its role.
+        options: Role options, passed as flags like ``SupervisorOptions.role_options``.
+        peers: Role → the name of the server it must use for that role. Such a server reads its
+            own view of the cluster file, with those peers listed first for their roles.
+    """
+
+    name: str
+    role: Role
+    options: Mapping[str, Any] = field(default_factory=dict)
+    peers: Mapping[Role, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class SupervisorOptions:
     """What to start and how long to wait.
 
@@ -40,6 +58,7 @@ class SupervisorOptions:
         health_timeout: Seconds for a server's ``/healthz`` to answer 200.
         python: The interpreter that runs ``-m e2e serve``.
         env: Extra environment of every server (the drill's ``MIDFLIGHT_FAULT``, say).
+        extra_servers: More servers, started in the given order after every role.
     """
 
     roles: tuple[Role, ...] = ROLES
@@ -48,6 +67,7 @@ class SupervisorOptions:
     health_timeout: float = 30.0
     python: str = sys.executable
     env: Mapping[str, str] = field(default_factory=dict)
+    extra_servers: tuple[ExtraServer, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)
@@ -114,15 +134,39 @@ class Supervisor:
             for role in self.roles:
                 entries.append(self._start(role))
                 write_cluster(self.cluster_path, Cluster(self.root, tuple(entries)))
+            for extra in self.options.extra_servers:
+                view = self._peer_view(extra, entries)
+                entries.append(self._start(extra.role, extra.name, extra.options, view))
+                write_cluster(self.cluster_path, Cluster(self.root, tuple(entries)))
         except BaseException:
             self.kill_all()
             raise
         self.urls = {entry.name: entry.url for entry in entries}
         return dict(self.urls)
 
-    def _start(self, role: Role) -> ServerEntry:
-        name = DEFAULT_NAMES[role]
-        options = dict(self.options.role_options.get(role, {}))
+    def _peer_view(self, extra: ExtraServer, entries: list[ServerEntry]) -> Path:
+        """The cluster as ``extra`` must see it: its chosen peers first for their roles."""
+        chosen = set(extra.peers.values())
+        missing = chosen - {entry.name for entry in entries}
+        if missing:
+            raise ValueError(f"{extra.name}: peers {sorted(missing)} are not started before it")
+        first = [e for e in entries if e.name in chosen and extra.peers.get(e.role) == e.name]
+        view = self.root / f"cluster-{extra.name}.toml"
+        rest = [e for e in entries if e not in first]
+        write_cluster(view, Cluster(self.root, tuple(first + rest)))
+        return view
+
+    def _start(
+        self,
+        role: Role,
+        name: str | None = None,
+        role_options: Mapping[str, Any] | None = None,
+        cluster_view: Path | None = None,
+    ) -> ServerEntry:
+        name = name or DEFAULT_NAMES[role]
+        if role_options is None:
+            role_options = self.options.role_options.get(role, {})
+        options = dict(role_options)
         argv = [
             self.options.python,
             "-m",
@@ -132,7 +176,7 @@ class Supervisor:
             "--port",
             "0",
             "--cluster",
-            str(self.cluster_path),
+            str(cluster_view or self.cluster_path),
             "--name",
             name,
             *option_flags(options),

@@ -11,7 +11,9 @@ the capture ledger (file-backed and in-memory) with its control routes.
 """
 
 from ._agent import AgentParticipant
-from ._agent_session import AgentPeers, AgentTaskInput, choose_tool
+from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
+from ._agent_restart_only import RestartOnlyAgentParticipant
+from ._agent_session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput, choose_tool
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
 from ._environment import EnvironmentParticipant
@@ -100,6 +102,9 @@ __all__ = [
     "ActiveCall",
     "AgentParticipant",
     "AgentPeers",
+    "AgentSession",
+    "AgentSessionHooks",
+    "AgentSessionState",
     "AgentTaskInput",
     "BaseParticipant",
     "CaptureAdapter",
@@ -109,6 +114,7 @@ __all__ = [
     "ControlPlane",
     "ControlSettings",
     "ControlTelemetry",
+    "CounterSessionHooks",
     "CutRequester",
     "EnvironmentParticipant",
     "EnvironmentPeers",
@@ -134,6 +140,8 @@ __all__ = [
     "ResourcesRoute",
     "ResourcesSession",
     "ResourcesSessionHooks",
+    "RestartOnlyAgentParticipant",
+    "RestoredAgentSession",
     "RetireMarks",
     "RolloutTokenCapture",
     "RowCache",

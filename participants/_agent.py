@@ -7,7 +7,8 @@ While a checkpoint is open a session parks at its next boundary; a model reply t
 is held, so the session stays at the boundary before that call (errata §10.11). Export writes each
 session as of its latest boundary; a restore installs it under the next attempt, and the next
 activation continues from there: it re-issues the pending model call and never repeats a tool
-call the conversation already holds.
+call the conversation already holds. A harness with state outside the process plugs in through
+the batched hooks of ``_agent_hooks``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from protocols import (
     StaleAttemptError,
 )
 
+from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
 from ._agent_session import (
     AgentPeers,
     AgentSession,
@@ -48,16 +50,21 @@ class AgentParticipant(BaseParticipant):
     Args:
         instance: The server name (a path component of the checkpoint layout).
         peers: How to reach the policy model and the resources server.
+        hooks: The harness's batched session hooks (the counter agent's by default).
     """
 
     kind: ParticipantKind = "agent"
 
-    def __init__(self, instance: str, peers: AgentPeers) -> None:
+    def __init__(
+        self, instance: str, peers: AgentPeers, hooks: AgentSessionHooks | None = None
+    ) -> None:
         super().__init__()
         self.instance = instance
         self.peers = peers
+        self.hooks: AgentSessionHooks = hooks or CounterSessionHooks()
         self.sessions: dict[str, AgentSession] = {}
-        self.accepting = True
+        self.accepting = True  # sessions run past their boundaries
+        self.seeds_accepting = True  # new seeds are admitted
         self._opened = anyio.Event()
         self._opened.set()
         self._seeds: Counter[str] = Counter()  # seeds past admission, per capture key
@@ -72,29 +79,33 @@ class AgentParticipant(BaseParticipant):
         """Open the session of ``episode_id``; a repeat with the same arguments is a no-op.
 
         Raises:
-            StaleAttemptError: The attempt is retired or fenced.
+            StaleAttemptError: The attempt is retired or fenced, or was retired while seeding
+                (what the seed built is freed first).
             CheckpointError: The key already holds a session with another task or resources
                 session.
         """
         self.marks.check(episode_id)
         # The environment's replay step is still in flight, so its boundary precedes this seed:
         # wait for resume rather than refuse. The lease bounds how long a checkpoint stays open.
-        while not self.accepting:
+        while not self.seeds_accepting:
             await self._opened.wait()
         key = episode_id.capture_key
         self._seeds[key] += 1  # a seed past admission blocks prepare until it is registered
         try:
             self.marks.check(episode_id)  # it may have been retired while waiting
-            existing = self.sessions.get(key)
-            if existing is not None:
-                if (
-                    existing.resources_session_id != resources_session_id
-                    or existing.task_input != task_input
-                ):
-                    raise CheckpointError(f"{key} is already seeded with another task or session")
+            if self._same_session(key, resources_session_id, task_input):
                 return key
             self._served = True
-            self.sessions[key] = AgentSession.seeded(episode_id, task_input, resources_session_id)
+            await self.hooks.open_agent_session(episode_id, task_input, resources_session_id)
+            try:
+                self.marks.check(episode_id)  # retired while the hook was building
+            except StaleAttemptError:
+                await self.hooks.retire_agent_session(key)
+                raise
+            if not self._same_session(key, resources_session_id, task_input):
+                self.sessions[key] = AgentSession.seeded(
+                    episode_id, task_input, resources_session_id
+                )
             return key
         finally:
             self._seeds[key] -= 1
@@ -103,6 +114,15 @@ class AgentParticipant(BaseParticipant):
             self._seeds_changed.set()
             self._seeds_changed = anyio.Event()
             self.changes.notify()
+
+    def _same_session(self, key: str, resources_session_id: str, task: AgentTaskInput) -> bool:
+        """Whether ``key`` already holds this very session (a repeated seed); refuse another."""
+        existing = self.sessions.get(key)
+        if existing is None:
+            return False
+        if existing.resources_session_id != resources_session_id or existing.task_input != task:
+            raise CheckpointError(f"{key} is already seeded with another task or session")
+        return True
 
     async def activate(self, episode_id: EpisodeId, index: int) -> dict[str, Any]:
         """Run activation ``index`` (1-based), or repeat the reply of the last completed one.
@@ -155,6 +175,7 @@ class AgentParticipant(BaseParticipant):
         session.closing = True  # a closing session blocks prepare until it is gone
         self.changes.notify()
         await self._stop(session)
+        await self.hooks.retire_agent_session(episode_id.capture_key)
         self.sessions.pop(episode_id.capture_key, None)
         self.changes.notify()
 
@@ -234,11 +255,13 @@ class AgentParticipant(BaseParticipant):
     async def close_admission(self, request: CheckpointRequest) -> None:
         """Every session parks at its next boundary; new seeds wait for resume."""
         self.accepting = False
+        self.seeds_accepting = False
         self._opened = anyio.Event()
 
     async def open_admission(self) -> None:
         """Wake parked sessions, held replies and waiting seeds."""
         self.accepting = True
+        self.seeds_accepting = True
         self._opened.set()
         self.changes.notify()
 
@@ -263,18 +286,37 @@ class AgentParticipant(BaseParticipant):
         return not self._blockers()
 
     async def export(self, episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
-        """Every session in scope as of its latest boundary (restored ones as installed)."""
+        """Every session in scope as of its latest boundary (restored ones as installed).
+
+        The export hook is asked once, for every session at once; this is the only place a
+        session's state is built, so rollouts that are never checkpointed pay nothing for it.
+
+        Raises:
+            CheckpointError: The hook left a session out (nothing is written).
+        """
         wanted = None if episode_ids is None else {e.capture_key for e in episode_ids}
+        sessions = [
+            session
+            for key, session in sorted(self.sessions.items())
+            if not session.retired and (wanted is None or key in wanted)
+        ]
+        if not sessions:
+            return []
+        states = await self.hooks.export_agent_sessions(sessions)
+        missing = [
+            s.episode_id.capture_key for s in sessions if s.episode_id.capture_key not in states
+        ]
+        if missing:
+            raise CheckpointError(f"the agent export hook left out sessions {missing[:10]}")
         records: list[Record] = []
-        for key, session in sorted(self.sessions.items()):
-            if session.retired or (wanted is not None and key not in wanted):
-                continue
+        for session in sessions:
             assert session.snapshot is not None  # every constructor records one
+            key = session.episode_id.capture_key
             records.append(
                 {
                     "episode_id": session.episode_id.model_dump(),
                     "session_key": key,
-                    "session": session.export_state(),
+                    "session": states[key],
                     "boundary": session.snapshot.boundary(),
                 }
             )
@@ -287,9 +329,8 @@ class AgentParticipant(BaseParticipant):
             CheckpointError: The process already holds sessions or seeds in progress.
             InvalidCheckpointStateError: A record is malformed.
         """
-        if self.sessions or self._seeds:
-            raise CheckpointError("restore requires a process without live sessions or seeds")
-        restored: dict[str, AgentSession] = {}
+        self._refuse_live_sessions()
+        restored: dict[str, RestoredAgentSession] = {}
         for index, record in enumerate(records):
             try:
                 source = EpisodeId.model_validate(record.get("episode_id"))
@@ -305,9 +346,18 @@ class AgentParticipant(BaseParticipant):
             replacement = source.next_attempt()
             if replacement.capture_key in restored:
                 raise InvalidCheckpointStateError(f"{source.capture_key} is recorded twice")
-            restored[replacement.capture_key] = AgentSession.restored(replacement, state)
-        self.sessions.update(restored)
+            restored[replacement.capture_key] = RestoredAgentSession(
+                replacement.capture_key, replacement, state
+            )
+        await self.hooks.restore_agent_sessions(list(restored.values()))
+        self._refuse_live_sessions()  # a seed may have slipped in while the hook ran
+        for key, item in restored.items():
+            self.sessions[key] = AgentSession.restored(item.episode_id, item.session)
         self.changes.notify()
+
+    def _refuse_live_sessions(self) -> None:
+        if self.sessions or self._seeds:
+            raise CheckpointError("restore requires a process without live sessions or seeds")
 
     def served_live_work(self) -> bool:
         """Whether a seed or an activation ran in this process."""
@@ -335,6 +385,7 @@ class AgentParticipant(BaseParticipant):
         self.changes.notify()
         for session in covered:
             await self._stop(session)
+            await self.hooks.retire_agent_session(session.episode_id.capture_key)
             # Free last: a retire cut short by its deadline leaves the session for the retry.
             self.sessions.pop(session.episode_id.capture_key, None)
         self.changes.notify()

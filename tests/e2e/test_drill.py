@@ -19,6 +19,8 @@ from e2e._oracle import ERROR_FIGURES
 pytestmark = pytest.mark.process
 
 SMALL = ["--rollouts", "4", "--checkpoints", "3", "--crashes", "2", "--concurrency", "4"]
+NO_SHARE = ["--restart-only-share", "0"]
+"""The restart-only agent's two extra servers are left out where the test is about something else."""
 
 
 def _drill(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -55,12 +57,22 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     assert figures["held_delivered"] >= 1
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
     assert figures["cut_continued"] >= 1
+    # The restart-only share (one rollout of four, through the restart-only agent) was reported
+    # as a restart by a checkpoint, and was rerun after a crash or finished after the checkpoint.
+    checkpoints = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "evidence" / "driver.jsonl").read_text().splitlines()
+        if '"checkpoint"' in line
+    ]
+    restarts = {key for c in checkpoints if c["event"] == "checkpoint" for key in c["restarts"]}
+    assert restarts and {key.split("-")[0] for key in restarts} == {"r000"}, checkpoints
+    assert not any("r000" in key for c in checkpoints for key in c.get("continued", []))
 
 
 def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseline(
     tmp_path: Path,
 ) -> None:
-    code, figures = _drill(tmp_path, "--resources-mode", "restart_only")
+    code, figures = _drill(tmp_path, "--resources-mode", "restart_only", *NO_SHARE)
     assert {name: figures[name] for name in ERROR_FIGURES} == dict.fromkeys(ERROR_FIGURES, 0), (
         figures
     )
@@ -80,7 +92,7 @@ def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseli
 
 @pytest.mark.soak
 def test_with_replayed_verify_the_drill_is_green(tmp_path: Path) -> None:
-    code, figures = _drill(tmp_path, "--verify", "replay")
+    code, figures = _drill(tmp_path, "--verify", "replay", *NO_SHARE)
     assert code == 0, figures["failures"]
     assert figures["completed"] == 4 and all(n > 0 for n in figures["restored_per_crash"])
 
@@ -102,7 +114,7 @@ def test_with_replayed_verify_the_drill_is_green(tmp_path: Path) -> None:
 def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(
     tmp_path: Path, fault: str, required: set[str], allowed: set[str]
 ) -> None:
-    code, figures = _drill(tmp_path, "--fault", fault)
+    code, figures = _drill(tmp_path, "--fault", fault, *NO_SHARE)
     tripped = {name for name in ERROR_FIGURES if figures[name]}
     assert tripped & required, (fault, tripped, figures)
     assert tripped <= allowed, (fault, tripped, figures)

@@ -33,11 +33,15 @@ NEXT = f"{ROLLOUT}-a1"
 
 
 @asynccontextmanager
-async def agent(peers: FakePeers, root: Path) -> AsyncIterator[httpx.AsyncClient]:
+async def agent(
+    peers: FakePeers, root: Path, *, restart_only: bool = False
+) -> AsyncIterator[httpx.AsyncClient]:
     """A fresh agent server process stand-in: its lifespan entered, a client to it."""
     ctx = ServeContext("agent", 0, root, default_cluster(root), TOKEN, TOKEN)
     transport = httpx.ASGITransport(app=peers.app())
-    app = create_agent_app(ctx, transports={"model": transport, "resources": transport})
+    app = create_agent_app(
+        ctx, restart_only=restart_only, transports={"model": transport, "resources": transport}
+    )
     client = httpx.AsyncClient(
         transport=httpx.ASGITransport(app=app), base_url="http://agent", timeout=30
     )
@@ -313,3 +317,47 @@ async def test_close_ends_a_session_and_a_closed_session_cannot_activate(tmp_pat
         assert (await client.post(f"/ng-rollout/{KEY}/sessions/close")).json() == {}
         assert code(await activate(client, 1)) == "checkpoint_error"
         assert (await client.post(f"/ng-rollout/{KEY}/sessions/close")).json() == {}
+
+
+async def test_restore_into_a_process_that_already_served_is_refused(tmp_path: Path) -> None:
+    peers = FakePeers()
+    peers.new_session()
+    directory = str(tmp_path / "ckpt")
+    scope = [{"rollout_id": ROLLOUT, "attempt": 0}]
+    async with agent(peers, tmp_path) as client:
+        await seed(client)
+        assert (await ctl(client, "prepare", checkpoint_id="c1")).json()["phase"] == "prepared"
+        commit = await ctl(
+            client, "commit", checkpoint_id="c1", checkpoint_dir=directory, episode_ids=scope
+        )
+        assert commit.status_code == 200, commit.text
+        assert (await ctl(client, "resume", checkpoint_id="c1")).status_code == 200
+        await client.post(f"/ng-rollout/{KEY}/sessions/close")  # no session is left, yet...
+        restore = await ctl(
+            client, "restore", checkpoint_id="c2", checkpoint_dir=directory, episode_ids=scope
+        )
+        assert restore.status_code == 409 and code(restore) == "checkpoint_error", restore.text
+        assert participant_of(client).sessions == {}, "a refused restore installs nothing"
+
+
+async def test_a_restart_only_agent_marks_its_seeds_and_reports_its_sessions_as_restarts(
+    tmp_path: Path,
+) -> None:
+    peers = FakePeers()
+    peers.new_session()
+    async with agent(peers, tmp_path, restart_only=True) as client:
+        seeded = await seed(client)
+        assert seeded.headers["x-ng-checkpoint-restart"] == "1"
+        prepared = await ctl(client, "prepare", checkpoint_id="c1")
+        assert prepared.json()["report"]["restarts"] == [KEY], prepared.text
+        scope = [{"rollout_id": ROLLOUT, "attempt": 0}]
+        commit = await ctl(
+            client,
+            "commit",
+            checkpoint_id="c1",
+            checkpoint_dir=str(tmp_path / "c"),
+            episode_ids=scope,
+        )
+        assert commit.status_code == 409 and code(commit) == "restart_in_scope"
+    async with agent(peers, tmp_path) as client:
+        assert "x-ng-checkpoint-restart" not in (await seed(client)).headers

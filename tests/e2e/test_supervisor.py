@@ -12,8 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e._cluster import ROLES, read_cluster
-from e2e._supervisor import Supervisor, SupervisorOptions, option_flags
+from e2e._cluster import ROLES, ServerEntry, read_cluster
+from e2e._drill import restart_only_rollouts
+from e2e._supervisor import ExtraServer, Supervisor, SupervisorOptions, option_flags
 
 TOKEN = "supervisor-token"
 ROLES_UNDER_TEST = tuple(
@@ -89,3 +90,28 @@ def test_a_failed_start_kills_the_servers_already_started(tmp_path: Path) -> Non
         supervisor.start_all()
     assert supervisor.processes == {}
     assert supervisor.started_pgids and all(gone(pgid) for pgid in supervisor.started_pgids)
+
+
+def test_an_extra_server_sees_its_chosen_peers_first(tmp_path: Path) -> None:
+    extra = ExtraServer("environment-restart", "environment", peers={"agent": "agent-restart"})
+    supervisor = Supervisor(tmp_path, TOKEN, SupervisorOptions(extra_servers=(extra,)))
+    entries = [
+        ServerEntry("agent", "agent", "http://127.0.0.1:1"),
+        ServerEntry("resources", "resources", "http://127.0.0.1:2"),
+        ServerEntry("agent-restart", "agent", "http://127.0.0.1:3", {"restart_only": True}),
+    ]
+    view = read_cluster(supervisor._peer_view(extra, entries))
+    assert view.url_of("agent") == "http://127.0.0.1:3"
+    assert view.url_of("resources") == "http://127.0.0.1:2"
+    assert {s.name for s in view.servers} == {"agent", "resources", "agent-restart"}
+    lonely = ExtraServer("environment-restart", "environment", peers={"agent": "nobody"})
+    with pytest.raises(ValueError, match="nobody"):
+        supervisor._peer_view(lonely, entries)
+
+
+def test_the_restart_only_share_is_spread_over_the_rollouts() -> None:
+    rollouts = [f"r{i:03d}" for i in range(8)]
+    assert restart_only_rollouts(rollouts, 0.2) == ["r000", "r004"]
+    assert restart_only_rollouts(rollouts[:4], 0.2) == ["r000"]
+    assert restart_only_rollouts(rollouts, 0.0) == []
+    assert restart_only_rollouts(rollouts, 1.0) == rollouts

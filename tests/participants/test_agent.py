@@ -1,14 +1,33 @@
-"""AgentParticipant without HTTP: install validation, rewinding a failed activation."""
+"""AgentParticipant without HTTP: install validation, rewinding a failed activation, hardening
+(seeds, closes and retires racing a checkpoint) and the batched session hooks."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import anyio
+import anyio.lowlevel
 import pytest
 
-from participants import AgentParticipant, AgentTaskInput, choose_tool
-from protocols import CheckpointError, EpisodeId, InternalError, InvalidCheckpointStateError
+from participants import (
+    AgentParticipant,
+    AgentSession,
+    AgentTaskInput,
+    CounterSessionHooks,
+    RestoredAgentSession,
+    choose_tool,
+)
+from protocols import (
+    CheckpointError,
+    CheckpointRequest,
+    EpisodeId,
+    InternalError,
+    InvalidCheckpointStateError,
+    StaleAttemptError,
+)
 
 pytestmark = pytest.mark.anyio
 TASK = AgentTaskInput(activations=1, turns=2, max_tokens=4, seed=0)
@@ -98,3 +117,175 @@ async def test_a_failed_tool_call_rewinds_the_session_to_its_last_boundary() -> 
     reply = await agent.activate(E0, 1)  # the retry continues from the boundary before the call
     assert [m["role"] for m in reply["messages"]] == ["assistant", "tool"] * 2
     assert len(peers.tool_calls) == 2 and peers.model_calls == 3
+
+
+class GatedHooks(CounterSessionHooks):
+    """Counter hooks whose seed work waits on ``open_gate``; records every call."""
+
+    def __init__(self) -> None:
+        self.open_gate: anyio.Event | None = None
+        self.opened: list[str] = []
+        self.exports: list[list[str]] = []
+        self.restores: list[list[str]] = []
+        self.retired: list[str] = []
+        self.omit: set[str] = set()
+        self.fail_restore = False
+
+    async def open_agent_session(
+        self, episode_id: EpisodeId, task_input: AgentTaskInput, resources_session_id: str
+    ) -> None:
+        if self.open_gate is not None:
+            await self.open_gate.wait()
+        self.opened.append(episode_id.capture_key)
+
+    async def export_agent_sessions(
+        self, sessions: Sequence[AgentSession]
+    ) -> Mapping[str, dict[str, Any]]:
+        self.exports.append([s.episode_id.capture_key for s in sessions])
+        states = await super().export_agent_sessions(sessions)
+        return {k: v for k, v in states.items() if k not in self.omit}
+
+    async def restore_agent_sessions(self, restored: Sequence[RestoredAgentSession]) -> None:
+        self.restores.append([r.session_key for r in restored])
+        if self.fail_restore:
+            raise CheckpointError("the sandbox snapshot is gone")
+
+    async def retire_agent_session(self, session_key: str) -> None:
+        self.retired.append(session_key)
+
+
+class HeldModelPeers(ScriptedPeers):
+    """A model call that cannot be abandoned once sent: it finishes only when ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = anyio.Event()
+
+    async def complete(
+        self, session_key: str, messages: list[dict[str, str]], max_tokens: int
+    ) -> str:
+        self.model_calls += 1
+        with anyio.CancelScope(shield=True):
+            await self.gate.wait()
+        return f"reply {len(messages)}"
+
+
+async def wait_all_tasks_blocked() -> None:
+    """Let every other task run until it waits (these tests do no I/O, so a few rounds do)."""
+    for _ in range(100):
+        await anyio.lowlevel.checkpoint()
+
+
+CLOSE = CheckpointRequest(checkpoint_id="c1", deadline_ts=2e9)
+
+
+async def test_an_in_flight_seed_holds_prepare_until_registered_and_is_then_exported() -> None:
+    hooks = GatedHooks()
+    hooks.open_gate = anyio.Event()
+    agent = AgentParticipant("agent", ScriptedPeers(), hooks)
+    async with anyio.create_task_group() as group:
+        group.start_soon(agent.seed, E0, "s1", TASK)
+        await wait_all_tasks_blocked()  # the seed is past admission, building its session
+        await agent.close_admission(CLOSE)
+        assert not agent.ready() and agent.readiness().blockers == ["r1"]
+        hooks.open_gate.set()
+    assert agent.ready()
+    [record] = await agent.export(None)
+    assert record["session_key"] == "r1" and hooks.exports == [["r1"]]
+
+
+async def test_a_session_closing_during_prepare_blocks_it_until_closed() -> None:
+    peers = HeldModelPeers()
+    agent = AgentParticipant("agent", peers)
+    await agent.seed(E0, "s1", TASK)
+    closed: list[bool] = []
+
+    async def close() -> None:
+        await agent.close(E0)
+        closed.append(True)
+
+    async with anyio.create_task_group() as group:
+        try:
+            group.start_soon(_activate_quietly, agent)
+            await wait_all_tasks_blocked()
+            assert peers.model_calls == 1
+            await agent.close_admission(CLOSE)
+            assert agent.ready(), "a session waiting on the model is at its boundary"
+            group.start_soon(close)
+            await wait_all_tasks_blocked()  # the close has cancelled and waits for the call
+            assert not closed and agent.sessions["r1"].closing
+            assert not agent.ready() and agent.readiness().blockers == ["r1"]
+        finally:
+            peers.gate.set()  # the shielded call must end, or a failed test would hang
+    assert closed and agent.sessions == {} and agent.ready()
+
+
+async def _activate_quietly(agent: AgentParticipant) -> None:
+    with contextlib.suppress(StaleAttemptError):  # cancelled by the close or the retire
+        await agent.activate(E0, 1)
+
+
+async def test_retire_waits_for_an_in_progress_seed_and_the_seed_frees_what_it_built() -> None:
+    hooks = GatedHooks()
+    hooks.open_gate = anyio.Event()
+    agent = AgentParticipant("agent", ScriptedPeers(), hooks)
+    order: list[str] = []
+
+    async def seed() -> None:
+        with pytest.raises(StaleAttemptError):
+            await agent.seed(E0, "s1", TASK)
+        order.append("seed refused")
+
+    async def retire() -> None:
+        await agent.retire(E0)
+        order.append("retired")
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(seed)
+        await wait_all_tasks_blocked()
+        agent.marks.raise_to([E0])  # what the runtime does before it calls retire
+        group.start_soon(retire)
+        await wait_all_tasks_blocked()
+        order.append("seed work ends")
+        hooks.open_gate.set()
+    assert order == ["seed work ends", "seed refused", "retired"]
+    assert agent.sessions == {} and hooks.opened == ["r1"] and hooks.retired == ["r1"]
+
+
+async def test_install_is_refused_while_a_seed_is_in_progress() -> None:
+    hooks = GatedHooks()
+    hooks.open_gate = anyio.Event()
+    agent = AgentParticipant("agent", ScriptedPeers(), hooks)
+    async with anyio.create_task_group() as group:
+        group.start_soon(agent.seed, E0, "s1", TASK)
+        await wait_all_tasks_blocked()
+        with pytest.raises(CheckpointError):
+            await agent.install([_record("r2")], [EpisodeId(rollout_id="r2")])
+        assert hooks.restores == []
+        hooks.open_gate.set()
+    assert sorted(agent.sessions) == ["r1"]
+
+
+async def test_export_and_install_go_through_one_batched_hook_call_each() -> None:
+    hooks = GatedHooks()
+    agent = AgentParticipant("agent", ScriptedPeers(), hooks)
+    second = EpisodeId(rollout_id="r2")
+    await agent.seed(E0, "s1", TASK)
+    await agent.seed(second, "s2", TASK)
+    await agent.activate(E0, 1)
+    assert hooks.exports == [], "a session is described only when a checkpoint exports it"
+    records = await agent.export(None)
+    assert hooks.exports == [["r1", "r2"]] and len(records) == 2
+    hooks.omit = {"r2"}
+    with pytest.raises(CheckpointError):
+        await agent.export(None)  # a session the hook leaves out fails the commit
+    fresh = AgentParticipant("agent", ScriptedPeers(), hooks)
+    hooks.fail_restore = True
+    with pytest.raises(CheckpointError):
+        await fresh.install(records, [E0, second])
+    assert fresh.sessions == {}, "a failing restore hook installs nothing"
+    hooks.fail_restore = False
+    await fresh.install(records, [E0, second])
+    assert hooks.restores[-1] == ["r1-a1", "r2-a1"] and sorted(fresh.sessions) == ["r1-a1", "r2-a1"]
+    await fresh.retire(EpisodeId(rollout_id="r1", attempt=1))
+    assert hooks.retired == ["r1-a1"] and sorted(fresh.sessions) == ["r2-a1"]

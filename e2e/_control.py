@@ -49,6 +49,15 @@ class CommitOutcome:
             for key in reply.episode_ids
         )
 
+    def generation_cut_episodes(self) -> list[str]:
+        """Episodes whose committed model record carries a generation cut (D155)."""
+        return sorted(
+            str(key)
+            for name, reply in self.replies.items()
+            if self.kinds[name] == "model"
+            for key in (reply.model_extra or {}).get("generation_cut_episodes", ())
+        )
+
 
 class ControlSession:
     """Control of one cluster by one controller incarnation."""

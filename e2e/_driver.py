@@ -32,6 +32,8 @@ from ._control import ControlSession
 from ._evidence import EvidenceLog, read_evidence
 
 DEADLINE_SECONDS = 30.0
+CUT_RETRIES = 6
+"""Extra checkpoints a phase may take so that the one its crash restores carries a cut (D155)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,7 @@ class Driver:
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0))
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}
+        self.last_cuts: list[str] = []
 
     async def log(self, event: dict[str, Any]) -> None:
         """Append one evidence line (fsynced) before acting on it."""
@@ -210,6 +213,7 @@ class Driver:
         in_scope = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
         episodes = prepared.continued(in_scope)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
+        self.last_cuts = commit.generation_cut_episodes()
         exported = set(commit.environment_episode_ids())
         for rollout, attempt in scope.items():  # replies already on the wire finish first
             key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
@@ -228,6 +232,7 @@ class Driver:
                 "dir": str(directory),
                 "continued": [e.capture_key for e in continued],
                 "restarts": sorted(restarts),
+                "generation_cuts": self.last_cuts,
             }
         )
         await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
@@ -360,12 +365,20 @@ class Driver:
                     await anyio.lowlevel.checkpoint()
 
             group.start_soon(dispatcher)
-            taken = 0
+            taken = index = retries = 0
             while taken < self.plan.checkpoints:
                 if not await self.wait_for_model_calls_in_flight():
                     break
-                if await self.checkpoint(taken):
+                if await self.checkpoint(index):
                     taken += 1
+                    # The checkpoint a crash restores should carry a generation cut, or the run
+                    # cannot show one continued; on a busy machine the calls may all finish
+                    # before admission closes, so take another one (bounded) instead.
+                    last = taken == self.plan.checkpoints and self.plan.crash_after
+                    if last and not self.last_cuts and retries < CUT_RETRIES:
+                        taken -= 1
+                        retries += 1
+                index += 1
                 await anyio.sleep(0.05)
             if self.plan.crash_after:
                 await anyio.sleep(0.2)  # let some calls be delivered after the checkpoint

@@ -92,7 +92,11 @@ async def test_export_needs_a_scope_and_leaves_out_undelivered_calls() -> None:
     assert records[0]["generation_cuts"] == []
     reply = model.commit_reply(records)
     key = f"stage/r1/{delivered.model_call_id}"
-    assert reply == {"staging_keys": [key], "staging_keys_by_episode": {"r1": [key]}}
+    assert reply == {
+        "staging_keys": [key],
+        "staging_keys_by_episode": {"r1": [key]},
+        "generation_cut_episodes": [],
+    }
 
 
 async def test_install_imports_under_the_next_attempt_stamped_and_retires_the_old_ones() -> None:

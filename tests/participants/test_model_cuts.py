@@ -130,9 +130,9 @@ async def test_close_cuts_calls_on_a_worker_but_never_a_constrained_one() -> Non
     assert (counts["cut"], counts["cut_failed"], counts["cut_skipped"]) == (1, 0, 1)
     records = await model.export([R1, EpisodeId(rollout_id="r2")])
     assert [len(r["generation_cuts"]) for r in records] == [1]
-    assert model.commit_reply(records)["staging_keys"] == [
-        f"__generation_cut__/{plain.model_call_id}/1"
-    ]
+    reply = model.commit_reply(records)
+    assert reply["staging_keys"] == [f"__generation_cut__/{plain.model_call_id}/1"]
+    assert reply["generation_cut_episodes"] == [R1.capture_key]  # the drill retries without one
 
 
 async def test_the_cut_gets_half_of_the_remaining_deadline() -> None:

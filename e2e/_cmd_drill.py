@@ -74,6 +74,13 @@ def register(app: typer.Typer) -> None:
         keep_dir: Annotated[
             Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
         ] = None,
+        baseline: Annotated[
+            Path | None,
+            typer.Option(
+                help="Keep the baseline run here and reuse it next time (same rollouts, seed and "
+                "task input)."
+            ),
+        ] = None,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
@@ -111,7 +118,15 @@ def register(app: typer.Typer) -> None:
                 if not as_json
                 else contextlib.nullcontext()
             ):
-                figures = run_drill(options, work, on_line)
+                figures = run_drill(
+                    options,
+                    work,
+                    on_line,
+                    baseline_dir=baseline.resolve() if baseline else None,
+                )
+        except ValueError as exc:  # a kept baseline of other rollouts: nothing was run
+            error_console.print(f"[red]error[/red]: {exc}")
+            raise typer.Exit(2) from exc
         finally:
             if keep_dir is None:
                 shutil.rmtree(work, ignore_errors=True)

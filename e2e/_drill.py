@@ -14,6 +14,7 @@ import json
 import os
 import secrets
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,21 +212,74 @@ def run_cluster(
                 supervisor.restart_all()
 
 
-def run_drill(options: DrillOptions, work: Path, on_line: Callable[[str], None]) -> Figures:
-    """The whole drill in ``work``: baseline, run, figures."""
-    token = secrets.token_urlsafe(24)
+BASELINE_MARKER = "baseline.json"
+"""Written into a baseline directory once its run finished: what its outcomes depend on."""
+
+
+def baseline_key(options: DrillOptions) -> dict[str, Any]:
+    """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing."""
+    return {
+        "rollouts": options.rollouts,
+        "seed": options.seed,
+        "activations": options.activations,
+        "turns": options.turns,
+        "max_tokens": options.max_tokens,
+    }
+
+
+def _baseline(
+    options: DrillOptions, directory: Path, reuse: bool, token: str, on_line: Callable[[str], None]
+) -> float:
+    """Run the baseline into ``directory`` (or reuse a finished one); its wall time."""
+    marker = directory / BASELINE_MARKER
+    if reuse and marker.exists():
+        recorded = json.loads(marker.read_text())
+        if recorded["key"] != baseline_key(options):
+            raise ValueError(
+                f"the baseline in {directory} was run with {recorded['key']}, "
+                f"this drill needs {baseline_key(options)}"
+            )
+        on_line(f"baseline: reused from {directory}")
+        return float(recorded["wall_s"])
+    if directory.exists():
+        shutil.rmtree(directory)  # an unfinished baseline (no marker) is run again whole
     started = time.monotonic()
-    baseline_options = DrillOptions(**{**asdict(options), "fault": None})
     run_cluster(
-        work / "baseline",
-        baseline_options,
+        directory,
+        DrillOptions(**{**asdict(options), "fault": None}),
         crashes=0,
         checkpoints=[0],
         token=token,
         on_line=lambda line: on_line(f"baseline: {line}"),
     )
-    baseline_wall = time.monotonic() - started
-    baseline = rollout_outcomes(work / "baseline")
+    wall = round(time.monotonic() - started, 3)
+    marker.write_text(json.dumps({"key": baseline_key(options), "wall_s": wall}))
+    return wall
+
+
+def run_drill(
+    options: DrillOptions,
+    work: Path,
+    on_line: Callable[[str], None],
+    *,
+    baseline_dir: Path | None = None,
+) -> Figures:
+    """The whole drill in ``work``: baseline, run, figures.
+
+    Args:
+        options: What to run.
+        work: The run's directory (``baseline/`` and ``run/`` under it).
+        on_line: Called with every progress line.
+        baseline_dir: Keep the baseline here and reuse it when it already holds a finished
+            baseline of the same rollouts and task input (D156).
+
+    Raises:
+        ValueError: ``baseline_dir`` holds a baseline of other rollouts or task input.
+    """
+    token = secrets.token_urlsafe(24)
+    directory = baseline_dir if baseline_dir is not None else work / "baseline"
+    baseline_wall = _baseline(options, directory, baseline_dir is not None, token, on_line)
+    baseline = rollout_outcomes(directory)
     started = time.monotonic()
     run_cluster(
         work / "run",

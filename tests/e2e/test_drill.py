@@ -13,14 +13,21 @@ from typing import Any
 
 import pytest
 
-from e2e._drill import FAULTS
+from e2e._drill import BASELINE_MARKER, FAULTS
 from e2e._oracle import ERROR_FIGURES
 
-pytestmark = pytest.mark.process
+# A drill is a few dozen seconds on a quiet 2-core machine; a busy one may need several times that.
+pytestmark = [pytest.mark.process, pytest.mark.timeout(420)]
 
 SMALL = ["--rollouts", "4", "--checkpoints", "3", "--crashes", "2", "--concurrency", "4"]
 NO_SHARE = ["--restart-only-share", "0"]
 """The restart-only agent's two extra servers are left out where the test is about something else."""
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
+    """One baseline for the module's drills: the first drill runs it, the others reuse it."""
+    return ["--baseline", str(tmp_path_factory.mktemp("baseline"))]
 
 
 def _drill(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -38,7 +45,7 @@ def _drill(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=400,
         check=False,
     )
     assert completed.stdout.strip(), completed.stderr[-3000:]
@@ -70,9 +77,9 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
 
 
 def test_with_restart_only_resources_rollouts_restart_and_still_match_the_baseline(
-    tmp_path: Path,
+    tmp_path: Path, baseline: list[str]
 ) -> None:
-    code, figures = _drill(tmp_path, "--resources-mode", "restart_only", *NO_SHARE)
+    code, figures = _drill(tmp_path, "--resources-mode", "restart_only", *NO_SHARE, *baseline)
     assert {name: figures[name] for name in ERROR_FIGURES} == dict.fromkeys(ERROR_FIGURES, 0), (
         figures
     )
@@ -112,11 +119,29 @@ def test_with_replayed_verify_the_drill_is_green(tmp_path: Path) -> None:
     ],
 )
 def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(
-    tmp_path: Path, fault: str, required: set[str], allowed: set[str]
+    tmp_path: Path, baseline: list[str], fault: str, required: set[str], allowed: set[str]
 ) -> None:
-    code, figures = _drill(tmp_path, "--fault", fault, *NO_SHARE)
+    code, figures = _drill(tmp_path, "--fault", fault, *NO_SHARE, *baseline)
     tripped = {name for name in ERROR_FIGURES if figures[name]}
     assert tripped & required, (fault, tripped, figures)
     assert tripped <= allowed, (fault, tripped, figures)
     assert FAULTS[fault] in required
     assert code == 1
+
+
+def test_a_kept_baseline_of_other_rollouts_is_refused_before_anything_runs(tmp_path: Path) -> None:
+    kept = tmp_path / "baseline"
+    kept.mkdir()
+    (kept / BASELINE_MARKER).write_text(
+        json.dumps({"key": {"rollouts": 99, "seed": 0}, "wall_s": 1.0})
+    )
+    completed = subprocess.run(
+        [sys.executable, "-m", "e2e", "drill", "--baseline", str(kept), *SMALL],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert completed.returncode == 2, completed.stderr[-2000:]
+    assert "was run with" in " ".join(completed.stderr.split())
+    assert sorted(kept.iterdir()) == [kept / BASELINE_MARKER]  # nothing ran, nothing was removed

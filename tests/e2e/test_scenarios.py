@@ -43,6 +43,7 @@ from .deployment import (
 pytestmark = [pytest.mark.process, pytest.mark.anyio]
 LONG_CALLS = {"activations": 2, "turns": 1, "max_tokens": 96, "seed": 0}
 """Calls long enough that a prepare closes the policy server while one is generating."""
+THREE_CALLS = {"activations": 3, "turns": 1, "max_tokens": 64, "seed": 0}
 
 
 @pytest.fixture(scope="module")
@@ -214,3 +215,55 @@ async def test_a_commit_with_stop_is_durable_and_the_servers_resume_by_their_lea
             while not delivered:  # noqa: ASYNC110 - the reply comes from another process
                 await anyio.sleep(0.02)
         await tidy(deployed, ep("stop"))
+
+
+@pytest.mark.timeout(300)  # three crashes of five processes each on a busy 2-core machine
+async def test_a_second_crash_before_redispatch_and_the_same_checkpoint_restored_twice(
+    supervisor: Supervisor,
+) -> None:
+    """§7.5 to §7.8 in one story: crash with calls in flight, restore as a1, checkpoint again before
+    re-dispatch (a1 carried forward), crash, restore that checkpoint as a2, let a2 make calls,
+    crash again, restore the same checkpoint again: a2 continues with none of the dead calls."""
+    scope0 = [ep("twice", 0)]
+    async with attached(supervisor, THREE_CALLS) as deployed:
+        async with anyio.create_task_group() as group:
+            group.start_soon(doomed, deployed, "twice", 0)
+            with anyio.fail_after(60):  # one call delivered, the next one generating
+                while not any(e["capture_key"] == "twice" for e in deployed.egress()):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            await deployed.model_in_flight()
+            committed = await deployed.checkpoint("twice-c1", scope0, resume=False)
+            assert committed["environment"] == ["twice"]
+            await deployed.crash()
+        restored = await deployed.control.restore(
+            "twice-r1", deployed.deadline(), deployed.checkpoint_dir("twice-c1"), scope0
+        )
+        assert restored == ["twice-a1"]
+        early = await deployed.run("twice", 1)  # §7.5: only after the resume
+        assert (early.status_code, error_code(early)) == (409, "admission_closed")
+        await deployed.control.resume("twice-r1", deployed.deadline())
+        stale = await deployed.run("twice", 0)  # §7.6: attempt N is fenced
+        assert (stale.status_code, error_code(stale)) == (409, "stale_attempt")
+        # §7.7: a checkpoint before the replacement ran carries the restored records as a1.
+        carried = await deployed.checkpoint("twice-c2", [ep("twice", 1)])
+        assert carried["environment"] == ["twice-a1"]
+        await deployed.crash()
+        assert await deployed.restore("twice-r2", "twice-c2", [ep("twice", 1)]) == ["twice-a2"]
+        async with anyio.create_task_group() as group:
+            group.start_soon(doomed, deployed, "twice", 2)
+            with anyio.fail_after(60):  # §7.8: the dead execution of a2 delivers a call
+                while not any(e["capture_key"] == "twice-a2" for e in deployed.egress()):  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            await deployed.model_in_flight()
+            await deployed.crash()
+        dead = {e["model_call_id"] for e in deployed.egress() if e["capture_key"] == "twice-a2"}
+        assert await deployed.restore("twice-r3", "twice-c2", [ep("twice", 1)]) == ["twice-a2"]
+        lineage = await finish(deployed, "twice", 2)
+        assert not dead & set(lineage)
+        # No call the restored checkpoint recorded as delivered was executed again.
+        egress = deployed.egress()
+        recorded = [e for e in egress if e["capture_key"] == "twice"]
+        assert recorded and {e["model_call_id"] for e in recorded} <= set(lineage)
+        for call in recorded:
+            assert [e["request_digest"] for e in egress].count(call["request_digest"]) == 1
+        await tidy(deployed, ep("twice", 2))

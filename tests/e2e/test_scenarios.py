@@ -21,6 +21,7 @@ delivered at resume with no crash.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -78,12 +79,10 @@ async def tidy(deployed: Deployment, *episodes: EpisodeId) -> None:
 
 
 async def doomed(deployed: Deployment, rollout: str, attempt: int) -> None:
-    """A ``/run`` whose processes are about to be SIGKILLed: it ends without a reply."""
-    try:
+    """A ``/run`` whose processes are about to be SIGKILLed; a reply that beat the kill is
+    dropped like any result delivered after the checkpoint the controller restores."""
+    with contextlib.suppress(httpx.TransportError):
         await deployed.run(rollout, attempt)
-    except httpx.TransportError:
-        return
-    raise AssertionError(f"{rollout}-a{attempt} should have died with its processes")
 
 
 async def control(deployed: Deployment, role: Any, route: str, **body: Any) -> httpx.Response:
@@ -254,7 +253,6 @@ async def test_a_second_crash_before_redispatch_and_the_same_checkpoint_restored
             with anyio.fail_after(60):  # §7.8: the dead execution of a2 delivers a call
                 while not any(e["capture_key"] == "twice-a2" for e in deployed.egress()):  # noqa: ASYNC110
                     await anyio.sleep(0.02)
-            await deployed.model_in_flight()
             await deployed.crash()
         dead = {e["model_call_id"] for e in deployed.egress() if e["capture_key"] == "twice-a2"}
         assert await deployed.restore("twice-r3", "twice-c2", [ep("twice", 1)]) == ["twice-a2"]

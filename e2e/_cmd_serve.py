@@ -25,6 +25,7 @@ import typer
 import uvicorn
 
 from participants import ControlSettings
+from protocols import DEFAULT_LEASE_GRACE_SECONDS
 
 from ._cluster import Cluster, Role, default_cluster, read_cluster
 
@@ -91,6 +92,8 @@ def serve_options_from(
 
 
 FAULT_ENV: Final = "MIDFLIGHT_FAULT"
+LEASE_GRACE_ENV: Final = "MIDFLIGHT_LEASE_GRACE_SECONDS"
+"""Test flag: a shorter lease grace, so a test can watch a lease expire (D157)."""
 
 
 def active_fault() -> str | None:
@@ -100,7 +103,11 @@ def active_fault() -> str | None:
 
 def control_settings() -> ControlSettings:
     """The control-plane settings of a reference server (faults included)."""
-    return ControlSettings(fence_on_restore=active_fault() != "no-restore-fence")
+    grace = os.environ.get(LEASE_GRACE_ENV)
+    return ControlSettings(
+        fence_on_restore=active_fault() != "no-restore-fence",
+        lease_grace_seconds=float(grace) if grace else DEFAULT_LEASE_GRACE_SECONDS,
+    )
 
 
 def configure_server_logging() -> None:

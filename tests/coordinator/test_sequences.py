@@ -60,7 +60,7 @@ from .deployment import TOKEN, Router, _no_wait
 
 KINDS: tuple[ParticipantKind, ...] = ("environment", "model", "agent", "resources")
 ROLLOUTS = ("r0", "r1", "r2")
-FAST_SEEDS = range(4)
+FAST_SEEDS = range(3)
 SOAK_SEEDS = range(4, 204)
 STEPS = 40
 
@@ -248,14 +248,16 @@ class SequenceRun:
 
     async def op_checkpoint(self, d: Deployment) -> None:
         checkpoint_id = self.next_id("ckpt")
-        if self.rng.random() < 0.15:  # an injected close failure on one participant
+        close_fault = self.rng.random() < 0.15
+        if close_fault:  # an injected close failure on one participant
             d.fakes[self.rng.choice(KINDS)].fail_close = CheckpointError("injected close failure")
         try:
             # A step in progress blocks prepare until its deadline: keep that wait short.
             blocked = any(e.in_step for f in d.fakes.values() for e in f.episodes.values())
             deadline = time.time() + 0.5 if blocked else self.deadline()
             prepared = await d.coordinator.prepare(checkpoint_id, deadline)
-        except CoordinationError:
+        except CoordinationError as exc:
+            check(close_fault, "prepare fails only on an injected failure", lambda e=exc: str(e))
             prepared = None
         for fake in d.fakes.values():
             fake.fail_close = None
@@ -278,7 +280,12 @@ class SequenceRun:
             replies = await d.coordinator.commit(
                 checkpoint_id, self.deadline(), str(directory), scope
             )
-        except CoordinationError:
+        except CoordinationError as exc:
+            check(
+                bool(d.write_fault),
+                "commit fails only on an injected failure",
+                lambda e=exc: str(e),
+            )
             replies = None
         d.write_fault.clear()
         if replies is not None:
@@ -335,7 +342,12 @@ class SequenceRun:
             replies = await fresh.coordinator.restore(
                 restore_id, self.deadline(), str(directory), scope
             )
-        except CoordinationError:
+        except CoordinationError as exc:
+            check(
+                failing is not None,
+                "restore fails only on an injected failure",
+                lambda e=exc: str(e),
+            )
             replies = None
         fresh.fakes[failing or "environment"].fail_install = None
         for episode in scope:

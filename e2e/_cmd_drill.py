@@ -81,6 +81,19 @@ def register(app: typer.Typer) -> None:
                 "task input)."
             ),
         ] = None,
+        sequences: Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="Run this many random operation sequences instead (seeds from --seed on).",
+            ),
+        ] = 0,
+        sequence_length: Annotated[
+            int, typer.Option(min=2, help="Operations per random sequence.")
+        ] = 8,
+        sequence_crashes: Annotated[
+            int, typer.Option(min=0, help="At most this many crashes per random sequence.")
+        ] = 2,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
@@ -105,6 +118,19 @@ def register(app: typer.Typer) -> None:
             restart_only_share=restart_only_share,
         )
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
+        if sequences:
+            from ._sequence_report import run_sequences_command
+
+            run_sequences_command(
+                sequences,
+                seed,
+                options,
+                work,
+                length=sequence_length,
+                max_crashes=sequence_crashes,
+                keep=keep_dir is not None,
+                as_json=as_json,
+            )
         lines: list[str] = []
 
         def on_line(line: str) -> None:
@@ -158,5 +184,16 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The drill's controller process (started by ``midflight drill``)."""
         from ._driver import main
+
+        main(root, cluster, plan)
+
+    @app.command("sequence-driver", hidden=True)
+    def sequence_driver_command(
+        root: Annotated[Path, typer.Option()],
+        cluster: Annotated[Path, typer.Option()],
+        plan: Annotated[Path, typer.Option()],
+    ) -> None:
+        """The controller process of one random sequence (started by ``drill --sequences``)."""
+        from ._sequence_driver import main
 
         main(root, cluster, plan)

@@ -75,7 +75,13 @@ class DriverProcess:
     """One controller incarnation as its own process group, spoken to through stdout lines."""
 
     def __init__(
-        self, root: Path, cluster: Path, plan: dict[str, Any], env: dict[str, str]
+        self,
+        root: Path,
+        cluster: Path,
+        plan: dict[str, Any],
+        env: dict[str, str],
+        *,
+        command: str = "drill-driver",
     ) -> None:
         plan_path = root / f"plan-{plan['phase']}.json"
         plan_path.write_text(json.dumps(plan))
@@ -86,7 +92,7 @@ class DriverProcess:
                 sys.executable,
                 "-m",
                 "e2e",
-                "drill-driver",
+                command,
                 "--root",
                 str(root),
                 "--cluster",

@@ -1,0 +1,91 @@
+"""Random operation sequences on real processes (``midflight drill --sequences``).
+
+A sequence seed is a plan of operations the sequence driver executes on a fresh reference
+deployment, checking control-plane §8.1 after each; the end-of-run rules (rewards and tokens as in
+the baseline, calls within the episode's need, nothing left, every checkpoint verifies) decide.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e._sequences import OPERATION_WEIGHTS, plan_sequence
+
+pytestmark = pytest.mark.process
+
+FAST_SEED = 5
+"""Its plan starts rollouts, crashes after a checkpoint and retires a restored attempt."""
+
+
+def _sequences(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    completed = subprocess.run(
+        [sys.executable, "-m", "e2e", "drill", "--json", "--keep-dir", str(tmp_path), *extra],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+    assert completed.stdout.strip(), completed.stderr[-3000:]
+    return completed.returncode, json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_a_sequence_plan_is_reproducible_and_bounded() -> None:
+    plans = [plan_sequence(seed, 8, 2) for seed in range(50)]
+    assert plans == [plan_sequence(seed, 8, 2) for seed in range(50)]
+    assert all(len(p) == 8 and p[0]["op"] == "start" for p in plans)
+    assert all(sum(op["op"] == "crash" for op in p) <= 2 for p in plans)
+    assert {op["op"] for p in plans for op in p} == set(OPERATION_WEIGHTS)
+
+
+@pytest.mark.timeout(300)  # three cluster starts (baseline, run, restart) on a loaded 2-core box
+def test_one_sequence_with_a_crash_and_a_retire_keeps_every_invariant(tmp_path: Path) -> None:
+    ops = [op["op"] for op in plan_sequence(FAST_SEED, 6, 1)]
+    assert "crash" in ops and "retire" in ops
+    code, report = _sequences(
+        tmp_path,
+        "--sequences", "1", "--seed", str(FAST_SEED), "--rollouts", "3",
+        "--sequence-length", "6", "--sequence-crashes", "1",
+    )  # fmt: skip
+    (row,) = report["sequences"]
+    assert row["failures"] == [] and report["failed_seeds"] == [], report
+    assert code == 0
+    assert row["crashes"] == 1 and row["checkpoints"] >= 1 and row["retires"] >= 1, row
+    events = [
+        json.loads(line)
+        for line in (tmp_path / f"seq-{FAST_SEED}" / "evidence" / "driver.jsonl")
+        .read_text()
+        .splitlines()
+    ]
+    steps = [e["index"] for e in events if e["event"] == "step"]
+    assert steps == list(range(len(ops))), steps  # every operation ran, each checked once
+    probes = [e for e in events if e["event"] == "stale_probe" and e.get("after") == "retire"]
+    assert {p["kind"] for p in probes} == {"environment", "agent", "resources", "model"}
+    assert {p["code"] for p in probes} == {"stale_attempt"}
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(1800)
+def test_many_sequences_keep_every_invariant(tmp_path: Path) -> None:
+    code, report = _sequences(tmp_path, "--sequences", "12", "--seed", "0", "--rollouts", "4")
+    assert report["failed_seeds"] == [], report
+    assert code == 0
+
+
+@pytest.mark.soak
+@pytest.mark.timeout(300)
+def test_a_missing_restore_fence_fails_the_sequence_and_names_its_seed(tmp_path: Path) -> None:
+    code, report = _sequences(
+        tmp_path,
+        "--sequences", "1", "--seed", str(FAST_SEED), "--rollouts", "3",
+        "--sequence-length", "6", "--sequence-crashes", "1", "--fault", "no-restore-fence",
+    )  # fmt: skip
+    assert code == 1 and report["failed_seeds"] == [FAST_SEED], report
+    assert any(
+        "retire_refuses" in f or "stale_accepted" in f for f in report["sequences"][0]["failures"]
+    )

@@ -74,9 +74,33 @@ def register(app: typer.Typer) -> None:
         keep_dir: Annotated[
             Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
         ] = None,
+        matrix: Annotated[
+            str | None,
+            typer.Option(
+                help="Run the kill -9 matrix instead: small, full, or killed:boundary,… cells."
+            ),
+        ] = None,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
+        if matrix is not None:
+            from ._cmd_matrix import run_matrix_command
+
+            run_matrix_command(
+                matrix,
+                DrillOptions(
+                    rollouts=rollouts,
+                    seed=seed,
+                    token_delay_ms=token_delay_ms,
+                    concurrency=concurrency,
+                    fault=fault,
+                    verify=verify,
+                    resources_mode=resources_mode,
+                    restart_only_share=0.0,
+                ),
+                keep_dir,
+                as_json=as_json,
+            )
         if fault is not None and fault not in FAULTS:
             raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:

@@ -80,6 +80,9 @@ def register(app: typer.Typer) -> None:
                 help="Run the kill -9 matrix instead: small, full, or killed:boundary,… cells."
             ),
         ] = None,
+        matrix_jobs: Annotated[
+            int, typer.Option(min=1, help="Matrix clusters (baseline, cells) run side by side.")
+        ] = 1,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
@@ -99,6 +102,7 @@ def register(app: typer.Typer) -> None:
                     restart_only_share=0.0,
                 ),
                 keep_dir,
+                jobs=matrix_jobs,
                 as_json=as_json,
             )
         if fault is not None and fault not in FAULTS:

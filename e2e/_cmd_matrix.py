@@ -19,7 +19,7 @@ from ._output import console, emit, error_console
 
 
 def run_matrix_command(
-    spec: str, options: DrillOptions, keep_dir: Path | None, *, as_json: bool
+    spec: str, options: DrillOptions, keep_dir: Path | None, *, jobs: int, as_json: bool
 ) -> NoReturn:
     """Run the cells of ``spec``; exit 0 only when every cell is green.
 
@@ -46,7 +46,7 @@ def run_matrix_command(
             if not as_json
             else contextlib.nullcontext()
         ):
-            results = run_matrix(cells, options, work, on_line)
+            results = run_matrix(cells, options, work, on_line, jobs=jobs)
     finally:
         if keep_dir is None:
             shutil.rmtree(work, ignore_errors=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -43,6 +44,7 @@ SMALL_MATRIX: Final = (
 )
 """The fast tier's cells: a controller kill at the checkpoint.json/LATEST boundary, a server
 kill in the middle of its write."""
+BASELINE_WAIT_SECONDS: Final = 900.0
 MAX_PHASES: Final = 3
 """Controller incarnations per cell: the kill may come in the first or in a recovery."""
 
@@ -132,11 +134,11 @@ def run_cell(
     killed: str,
     boundary: str,
     *,
-    baseline: dict[str, RolloutOutcome],
+    baseline: Future[dict[str, RolloutOutcome]],
     token: str,
     on_line: Callable[[str], None],
 ) -> MatrixCell:
-    """Run one cell in ``root`` and judge it."""
+    """Run one cell in ``root`` and judge it against the baseline once that is ready."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     kill_file = root / "evidence" / "kill-points.jsonl"
@@ -235,7 +237,7 @@ def _judge(
     options: DrillOptions,
     killed: str,
     boundary: str,
-    baseline: dict[str, RolloutOutcome],
+    baseline: Future[dict[str, RolloutOutcome]],
     expected: Sequence[tuple[float, str | None]],
     problems: list[str],
 ) -> MatrixCell:
@@ -259,7 +261,9 @@ def _judge(
             )
     for restore in restores:
         problems += verify_checkpoint(Path(restore["checkpoint_dir"]))
-    figures = compute_figures(root, baseline, rollouts=options.rollouts).values
+    figures = compute_figures(
+        root, baseline.result(timeout=BASELINE_WAIT_SECONDS), rollouts=options.rollouts
+    ).values
     problems += [f"{name} = {figures[name]}" for name in ERROR_FIGURES if figures.get(name)]
     if not problems:
         detail = (
@@ -276,20 +280,28 @@ def run_matrix(
     options: DrillOptions,
     work: Path,
     on_line: Callable[[str], None],
+    *,
+    jobs: int = 1,
 ) -> list[MatrixCell]:
-    """One shared baseline, then every cell on a fresh cluster of its own."""
+    """Every cell on a fresh cluster of its own, and one shared baseline to judge them by.
+
+    With ``jobs`` > 1 the baseline and the cells run side by side (each its own cluster on
+    its own ports and run root): a cluster spends most of its time starting processes.
+    """
     token = secrets.token_urlsafe(24)
-    run_cluster(
-        work / "baseline",
-        DrillOptions(**{**asdict(options), "fault": None}),
-        crashes=0,
-        checkpoints=[0],
-        token=token,
-        on_line=lambda line: on_line(f"baseline: {line}"),
-    )
-    baseline = rollout_outcomes(work / "baseline")
-    results: list[MatrixCell] = []
-    for killed, boundary in cells:
+
+    def baseline() -> dict[str, RolloutOutcome]:
+        run_cluster(
+            work / "baseline",
+            DrillOptions(**{**asdict(options), "fault": None}),
+            crashes=0,
+            checkpoints=[0],
+            token=token,
+            on_line=lambda line: on_line(f"baseline: {line}"),
+        )
+        return rollout_outcomes(work / "baseline")
+
+    def one(killed: str, boundary: str, outcomes: Future[dict[str, RolloutOutcome]]) -> MatrixCell:
         name = f"{killed}-{boundary}"
         try:
             cell = run_cell(
@@ -297,15 +309,19 @@ def run_matrix(
                 options,
                 killed,
                 boundary,
-                baseline=baseline,
+                baseline=outcomes,
                 token=token,
-                on_line=lambda line, name=name: on_line(f"{name}: {line}"),  # type: ignore[misc]
+                on_line=lambda line: on_line(f"{name}: {line}"),
             )
         except Exception as exc:  # a cell that cannot even run is a red cell, not a crash
             cell = MatrixCell(killed, boundary, False, f"{type(exc).__name__}: {exc}")
         on_line(f"{name}: {'ok' if cell.ok else 'FAILED'} — {cell.detail}")
-        results.append(cell)
-    return results
+        return cell
+
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        outcomes = pool.submit(baseline)
+        futures = [pool.submit(one, killed, boundary, outcomes) for killed, boundary in cells]
+        return [future.result() for future in futures]
 
 
 def cells_json(cells: Sequence[MatrixCell]) -> dict[str, Any]:

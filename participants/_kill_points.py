@@ -9,8 +9,9 @@ Everything here is off unless the test flag is set: a kill point is armed only w
 ``MIDFLIGHT_TEST_HOOKS=1`` and ``MIDFLIGHT_KILL_POINT`` names this process. The spec is
 ``<process>:<boundary>[@<occurrence>]``: ``process`` is a server name (``environment``,
 ``model``, ``agent``, ``resources``) or ``controller``; the point fires on the ``occurrence``-th
-time (default 1) this process reaches ``boundary``, and at most once per announcement file, so
-the fresh processes started after the kill run through it untouched.
+time (default 1) a process of that name reaches ``boundary`` — counted in the file across
+incarnations, so a restarted process goes on counting — and at most once per file, so the fresh
+processes started after the kill run through it untouched.
 """
 
 from __future__ import annotations
@@ -60,7 +61,6 @@ class KillPoint:
         self.boundary: str | None = None
         self.occurrence = 1
         self.file: Path | None = None
-        self._reached = 0
         self._lock = threading.Lock()
         spec = env.get(KILL_POINT_ENV, "")
         if env.get(TEST_HOOKS_ENV) != "1" or not spec or KILL_FILE_ENV not in env:
@@ -86,25 +86,31 @@ class KillPoint:
         """Count a reach of ``boundary``; True when this is the one to die at."""
         if boundary != self.boundary:
             return False
-        with self._lock:
-            self._reached += 1
-            return self._reached == self.occurrence and not self._already_announced()
-
-    def _already_announced(self) -> bool:
-        # One kill per announcement file: the processes restarted after it must run through.
         assert self.file is not None
-        return any(a.get("boundary") == self.boundary for a in read_kill_announcements(self.file))
+        with self._lock:
+            lines = _read_lines(self.file)
+            if any(line.get("boundary") == boundary for line in lines):
+                return False  # one kill per file: the processes restarted after it run through
+            reached = 1 + sum(1 for line in lines if line.get("reached") == boundary)
+            if reached < self.occurrence:
+                self._append({"process": self.process, "reached": boundary, "t": time.time()})
+                return False
+            return True
 
     def _announce(self) -> None:
-        assert self.file is not None
         assert self.boundary is not None
-        line = {
-            "process": self.process,
-            "boundary": self.boundary,
-            "occurrence": self.occurrence,
-            "pid": os.getpid(),
-            "t": time.time(),
-        }
+        self._append(
+            {
+                "process": self.process,
+                "boundary": self.boundary,
+                "occurrence": self.occurrence,
+                "pid": os.getpid(),
+                "t": time.time(),
+            }
+        )
+
+    def _append(self, line: dict[str, object]) -> None:
+        assert self.file is not None
         self.file.parent.mkdir(parents=True, exist_ok=True)
         with open(self.file, "a", encoding="utf-8") as handle:
             handle.write(json.dumps(line) + "\n")
@@ -131,16 +137,23 @@ class KillPoint:
         os._exit(_NOT_KILLED_EXIT)  # nobody killed us: fail loudly rather than carry on
 
 
-def read_kill_announcements(path: Path) -> list[dict[str, object]]:
-    """Every announcement in a kill file (empty when none), skipping a torn last line."""
+def _read_lines(path: Path) -> list[dict[str, object]]:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return []
-    announcements: list[dict[str, object]] = []
+    lines: list[dict[str, object]] = []
     for line in text.splitlines():
         try:
-            announcements.append(json.loads(line))
+            lines.append(json.loads(line))
         except ValueError:
             continue  # a line cut short by the very kill it announced
-    return announcements
+    return lines
+
+
+def read_kill_announcements(path: Path) -> list[dict[str, object]]:
+    """Every announcement (a process standing at its kill point) in a kill file, oldest first.
+
+    Empty when the file does not exist; a torn last line is skipped.
+    """
+    return [line for line in _read_lines(path) if "boundary" in line]

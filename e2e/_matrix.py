@@ -28,12 +28,16 @@ from participants import (
     read_kill_announcements,
 )
 
+from ._cluster import DEFAULT_NAMES
 from ._drill import DrillOptions, DriverProcess, run_cluster
 from ._evidence import EvidenceLog, read_evidence
 from ._oracle import ERROR_FIGURES, RolloutOutcome, compute_figures, rollout_outcomes
 from ._supervisor import Supervisor, SupervisorOptions
 
-SERVERS: Final = ("environment", "model", "agent", "resources")
+SERVERS: Final = tuple(
+    DEFAULT_NAMES[role] for role in ("environment", "model", "agent", "resources")
+)
+"""The participant servers by server name (the model's is ``policy``), in prepare order."""
 CONTROLLER: Final = "controller"
 CONTROLLER_ONLY: Final = frozenset({"checkpoint-json-written"})
 SERVER_ONLY: Final = frozenset({"records-written"})

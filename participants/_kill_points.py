@@ -7,8 +7,8 @@ until the harness kills it.
 
 Everything here is off unless the test flag is set: a kill point is armed only when
 ``MIDFLIGHT_TEST_HOOKS=1`` and ``MIDFLIGHT_KILL_POINT`` names this process. The spec is
-``<process>:<boundary>[@<occurrence>]``: ``process`` is a server name (``environment``,
-``model``, ``agent``, ``resources``) or ``controller``; the point fires on the ``occurrence``-th
+``<process>:<boundary>[@<occurrence>]``: ``process`` is a server name (the participant
+instance, e.g. ``policy`` for the reference model server) or ``controller``; the point fires on the ``occurrence``-th
 time (default 1) a process of that name reaches ``boundary`` — counted in the file across
 incarnations, so a restarted process goes on counting — and at most once per file, so the fresh
 processes started after the kill run through it untouched.

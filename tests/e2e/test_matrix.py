@@ -22,7 +22,7 @@ def test_the_full_matrix_kills_every_process_at_every_boundary_it_reaches() -> N
     assert {killed for killed, _ in cells} == {
         "controller",
         "environment",
-        "model",
+        "policy",
         "agent",
         "resources",
     }

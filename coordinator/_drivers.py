@@ -40,6 +40,12 @@ from ._client import ControlClient
 
 T = TypeVar("T")
 NO_MODEL: Final = "no policy model takes part in checkpoints"
+BoundaryHook = Callable[[str], Awaitable[None]]
+"""Called with a boundary name as the coordinator passes it (a test harness's kill point)."""
+
+
+async def _no_boundary_hook(_boundary: str) -> None:
+    return None
 
 
 class CoordinationError(Exception):
@@ -168,12 +174,20 @@ class Coordinator:
 
     Args:
         members: The participants (usually from :func:`discover`).
+        on_boundary: Awaited with the name of each boundary between stages as it is passed —
+            ``some-prepared`` (the first stage prepared, the next not asked), ``prepare-sent``
+            (every stage prepared, nothing committed), ``resume-partly-sent`` and
+            ``retire-partly-applied`` (the first group done, the others not asked). For test
+            harnesses that kill the controller there; nothing by default.
 
     Raises:
         ValueError: Two members share a server name.
     """
 
-    def __init__(self, members: Iterable[Member]) -> None:
+    def __init__(
+        self, members: Iterable[Member], *, on_boundary: BoundaryHook | None = None
+    ) -> None:
+        self._on_boundary = on_boundary or _no_boundary_hook
         ordered = sorted(members, key=lambda m: (PREPARE_ORDER.index(m.kind), m.instance))
         names = [member.instance for member in ordered]
         if len(set(names)) != len(names):
@@ -214,6 +228,9 @@ class Coordinator:
             replies.update(got)
             if any(reply.phase != Phase.PREPARED for reply in got.values()):
                 return PrepareResult(prepared=False, replies=replies)
+            if len(replies) == len(got):
+                await self._on_boundary("some-prepared")
+        await self._on_boundary("prepare-sent")
         return PrepareResult(prepared=True, replies=replies)
 
     async def commit(
@@ -248,11 +265,12 @@ class Coordinator:
         replies: dict[str, ResumeReply] = {}
         failures: dict[str, BaseException] = {}
         for kind in RESUME_ORDER:
-            got, failed = await _each(
-                self.of_kinds((kind,)), lambda m: m.client.resume(checkpoint_id, deadline_ts)
-            )
+            stage = self.of_kinds((kind,))
+            got, failed = await _each(stage, lambda m: m.client.resume(checkpoint_id, deadline_ts))
             replies.update(got)
             failures.update(failed)
+            if stage and len(replies) + len(failures) == len(stage):
+                await self._on_boundary("resume-partly-sent")
         _raise_if("resume", failures)
         return replies
 
@@ -325,12 +343,14 @@ class Coordinator:
         replies: dict[str, RetireReply] = {}
         failures: dict[str, BaseException] = {}
         for group in RETIRE_ORDER:
+            stage = self.of_kinds(group)
             got, failed = await _each(
-                self.of_kinds(group),
-                lambda m: m.client.retire(checkpoint_id, deadline_ts, episodes),
+                stage, lambda m: m.client.retire(checkpoint_id, deadline_ts, episodes)
             )
             replies.update(got)
             failures.update(failed)
+            if stage and len(replies) + len(failures) == len(stage):
+                await self._on_boundary("retire-partly-applied")
         _raise_if("retire", failures)
         return replies
 

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -95,6 +95,10 @@ def checkpoint_directory(root: Path, checkpoint_id: str) -> Path:
     return Path(root) / CHECKPOINTS_SUBDIR / validate_checkpoint_id(checkpoint_id)
 
 
+def _no_boundary(_boundary: str) -> None:
+    return None
+
+
 def _fsync_directory(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -126,6 +130,7 @@ def publish_checkpoint_sync(
     controller_state: JsonValue,
     *,
     fault: str | None = None,
+    on_boundary: Callable[[str], None] | None = None,
 ) -> CheckpointManifest:
     """Blocking body of :func:`publish_checkpoint` (call it from a worker thread).
 
@@ -179,7 +184,10 @@ def publish_checkpoint_sync(
     if fault == "latest-before-manifest":
         # Deliberately wrong, for the proof suite: a crash now leaves LATEST on a partial commit.
         _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
+    boundary = on_boundary or _no_boundary
+    boundary("manifests-published")  # every share verified on disk, no checkpoint.json yet
     _replace_durably(directory / CHECKPOINT_FILE, body)
+    boundary("checkpoint-json-written")  # checkpoint.json durable, LATEST not moved yet
     # Only now may LATEST name it: a pointer never leads to a checkpoint without its manifest.
     _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
     return manifest
@@ -194,6 +202,7 @@ async def publish_checkpoint(
     controller_state: JsonValue = None,
     *,
     fault: str | None = None,
+    on_boundary: Callable[[str], None] | None = None,
 ) -> CheckpointManifest:
     """Publish a committed checkpoint: ``checkpoint.json`` last, then ``LATEST``.
 
@@ -207,6 +216,9 @@ async def publish_checkpoint(
         continued: The commit scope.
         controller_state: The controller's own state (any JSON).
         fault: A test-only fault from ``PUBLISH_FAULTS`` (never set it in production).
+        on_boundary: Called, in the worker thread, with ``manifests-published`` before
+            ``checkpoint.json`` is written and ``checkpoint-json-written`` before ``LATEST``
+            moves (a test harness kills the controller there); nothing by default.
 
     Raises:
         InvalidCheckpointStateError: A participant's manifest is missing or not the committed one.
@@ -222,6 +234,7 @@ async def publish_checkpoint(
             continued,
             controller_state,
             fault=fault,
+            on_boundary=on_boundary,
         )
     )
 

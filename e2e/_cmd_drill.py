@@ -94,9 +94,37 @@ def register(app: typer.Typer) -> None:
         sequence_crashes: Annotated[
             int, typer.Option(min=0, help="At most this many crashes per random sequence.")
         ] = 2,
+        matrix: Annotated[
+            str | None,
+            typer.Option(
+                help="Run the kill -9 matrix instead: small, full, or killed:boundary,… cells."
+            ),
+        ] = None,
+        matrix_jobs: Annotated[
+            int, typer.Option(min=1, help="Matrix clusters (baseline, cells) run side by side.")
+        ] = 1,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
+        if matrix is not None:
+            from ._cmd_matrix import run_matrix_command
+
+            run_matrix_command(
+                matrix,
+                DrillOptions(
+                    rollouts=rollouts,
+                    seed=seed,
+                    token_delay_ms=token_delay_ms,
+                    concurrency=concurrency,
+                    fault=fault,
+                    verify=verify,
+                    resources_mode=resources_mode,
+                    restart_only_share=0.0,
+                ),
+                keep_dir,
+                jobs=matrix_jobs,
+                as_json=as_json,
+            )
         if fault is not None and fault not in FAULTS:
             raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:

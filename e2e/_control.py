@@ -7,6 +7,7 @@ the published LATEST checkpoint, and what is left over at the end.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import anyio
 import httpx
 
 from coordinator import (
+    PUBLISH_FAULTS,
     Coordinator,
     PrepareResult,
     checkpoint_directory,
@@ -24,6 +26,7 @@ from coordinator import (
     publish_checkpoint,
     read_latest,
 )
+from participants import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
 from ._cluster import Cluster
@@ -60,11 +63,18 @@ class CommitOutcome:
 
 
 class ControlSession:
-    """Control of one cluster by one controller incarnation."""
+    """Control of one cluster by one controller incarnation.
+
+    The controller's named kill point (``controller:<boundary>``, test flag only) and a
+    publication fault (``MIDFLIGHT_FAULT=latest-before-manifest``) are read from the environment.
+    """
 
     def __init__(self, cluster: Cluster, token: str) -> None:
         self.cluster = cluster
         self.token = token
+        self.kill_point = KillPoint("controller")
+        fault = os.environ.get("MIDFLIGHT_FAULT")
+        self.publish_fault = fault if fault in PUBLISH_FAULTS else None
         self._auth = {"Authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
         self._coordinator: Coordinator | None = None
@@ -73,7 +83,9 @@ class ControlSession:
         """The coordinator over every participant of the cluster (discovered once)."""
         if self._coordinator is None:
             urls = [s.url for s in self.cluster.servers if s.role in PARTICIPANT_ROLES]
-            self._coordinator = Coordinator(await discover(urls, token=self.token))
+            self._coordinator = Coordinator(
+                await discover(urls, token=self.token), on_boundary=self.kill_point.areach
+            )
         return self._coordinator
 
     async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareResult:
@@ -124,7 +136,14 @@ class ControlSession:
         """Publish ``checkpoint.json`` then ``LATEST``."""
         coordinator = await self.coordinator()
         await publish_checkpoint(
-            root, checkpoint_id, coordinator.members, commit.replies, continued, controller_state
+            root,
+            checkpoint_id,
+            coordinator.members,
+            commit.replies,
+            continued,
+            controller_state,
+            fault=self.publish_fault,
+            on_boundary=self.kill_point.reach,
         )
 
     @staticmethod

@@ -33,6 +33,14 @@ from ._http import (
     participant_app,
 )
 from ._jobs import Job
+from ._kill_points import (
+    KILL_BOUNDARIES,
+    KILL_FILE_ENV,
+    KILL_POINT_ENV,
+    TEST_HOOKS_ENV,
+    KillPoint,
+    read_kill_announcements,
+)
 from ._ledger_cache import (
     DEFAULT_MAX_CACHED_ROLLOUTS,
     DEFAULT_MAX_CACHED_ROWS,
@@ -93,10 +101,14 @@ __all__ = [
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
     "GENERATION_CUT_OUTCOMES",
+    "KILL_BOUNDARIES",
+    "KILL_FILE_ENV",
+    "KILL_POINT_ENV",
     "LOCK_DIRECTORY",
     "MODEL_FAULTS",
     "RESOURCES_MODES",
     "RETIRE_STEPS",
+    "TEST_HOOKS_ENV",
     "VERIFY_MODES",
     "WRITE_STEPS",
     "ActiveCall",
@@ -125,6 +137,7 @@ __all__ = [
     "FileTokenStagingStore",
     "GenerationCutTelemetry",
     "Job",
+    "KillPoint",
     "LedgerCacheCollector",
     "ManualClock",
     "MemoryCaptureLedger",
@@ -162,6 +175,7 @@ __all__ = [
     "ledger_control_router",
     "make_directory_durable",
     "participant_app",
+    "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",
     "write_file_durably",

@@ -54,6 +54,7 @@ from protocols import (
 )
 
 from ._clock import Clock, SystemClock, run_until, wait_until
+from ._kill_points import KillPoint
 from ._marks import RetireMarks
 from ._participant import Participant
 from ._telemetry import ControlTelemetry
@@ -104,6 +105,8 @@ class ControlPlane:
         clock: Wall-clock time; inject a ``ManualClock`` in tests.
         telemetry: Metrics and logs; a fresh registry when omitted.
         on_write_step: Test hook passed to every ``RecordsWriter``.
+        kill_point: The test-only named kill point of this server; by default read from the
+            environment (inert unless ``MIDFLIGHT_TEST_HOOKS=1``), named by the instance.
     """
 
     def __init__(
@@ -114,8 +117,12 @@ class ControlPlane:
         clock: Clock | None = None,
         telemetry: ControlTelemetry | None = None,
         on_write_step: Callable[[str], None] | None = None,
+        kill_point: KillPoint | None = None,
     ) -> None:
         self.participant = participant
+        self.kill_point = kill_point or KillPoint(participant.instance)
+        if on_write_step is None and self.kill_point.armed:
+            on_write_step = self._write_step_kill_point
         self.settings = settings or ControlSettings()
         self.clock: Clock = clock or SystemClock()
         self.telemetry = telemetry or ControlTelemetry(participant.kind, participant.instance)
@@ -332,11 +339,19 @@ class ControlPlane:
 
         return await work()
 
+    def _write_step_kill_point(self, step: str) -> None:
+        if step == "records_renamed":  # records durable under their name, no manifest yet
+            self.kill_point.reach("records-written")
+
     async def prepare(self, request: CheckpointRequest) -> PrepareReply:
         """Close admission and wait, until the deadline, for every episode to park."""
-        return await self.instrumented(
+        await self.kill_point.areach("prepare-sent")
+        reply = await self.instrumented(
             "prepare", request.checkpoint_id, lambda: self._prepare(request)
         )
+        if reply.phase is Phase.PREPARED:
+            await self.kill_point.areach("some-prepared")  # prepared, the reply not yet sent
+        return reply
 
     async def _prepare(self, request: CheckpointRequest) -> PrepareReply:
         self.check_deadline(request.deadline_ts)
@@ -408,9 +423,11 @@ class ControlPlane:
 
     async def commit(self, request: CommitRequest) -> CommitReply:
         """Export the parked work once and publish it (see ``CommitProcedure``)."""
-        return await self.instrumented(
+        reply = await self.instrumented(
             "commit", request.checkpoint_id, lambda: self.commits.run(request)
         )
+        await self.kill_point.areach("manifests-published")  # published, the reply not yet sent
+        return reply
 
     async def restore(self, request: RestoreRequest) -> RestoreReply:
         """Install a checkpoint's records under their next attempts (see ``RestoreProcedure``)."""
@@ -420,6 +437,7 @@ class ControlPlane:
 
     async def resume(self, request: CheckpointRequest) -> ResumeReply:
         """Reopen admission, whether or not the checkpoint was published (resume is abort)."""
+        await self.kill_point.areach("resume-partly-sent")  # received, not applied
         return await self.instrumented(
             "resume", request.checkpoint_id, lambda: self._resume(request)
         )
@@ -469,9 +487,11 @@ class ControlPlane:
 
     async def retire(self, request: RetireRequest) -> RetireReply:
         """Refuse, stop, then free the named attempts and every earlier one."""
-        return await self.instrumented(
+        reply = await self.instrumented(
             "retire", request.checkpoint_id, lambda: self._retire(request)
         )
+        await self.kill_point.areach("retire-partly-applied")  # applied, the reply not yet sent
+        return reply
 
     async def _retire(self, request: RetireRequest) -> RetireReply:
         self.check_deadline(request.deadline_ts)

@@ -1,0 +1,67 @@
+"""``midflight drill --matrix``: run the kill -9 matrix and print it (a table, or ``--json``)."""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+from typing import NoReturn
+
+import typer
+from rich.table import Table
+
+from coordinator import PUBLISH_FAULTS
+
+from ._drill import FAULTS, DrillOptions
+from ._matrix import cells_json, parse_cells, run_matrix
+from ._output import console, emit, error_console
+
+
+def run_matrix_command(
+    spec: str, options: DrillOptions, keep_dir: Path | None, *, jobs: int, as_json: bool
+) -> NoReturn:
+    """Run the cells of ``spec``; exit 0 only when every cell is green.
+
+    Raises:
+        typer.BadParameter: An unknown cell set, cell or fault.
+        typer.Exit: Always, with 1 when any cell failed.
+    """
+    try:
+        cells = parse_cells(spec)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--matrix") from exc
+    known = sorted({*FAULTS, *PUBLISH_FAULTS})
+    if options.fault is not None and options.fault not in known:
+        raise typer.BadParameter(f"unknown fault {options.fault!r}; known: {known}")
+    work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-matrix-"))
+
+    def on_line(line: str) -> None:
+        if not as_json:
+            error_console.print(f"[dim]{line}[/dim]")
+
+    try:
+        with (
+            error_console.status(f"running {len(cells)} matrix cells…", spinner="dots")
+            if not as_json
+            else contextlib.nullcontext()
+        ):
+            results = run_matrix(cells, options, work, on_line, jobs=jobs)
+    finally:
+        if keep_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = all(cell.ok for cell in results)
+
+    def render() -> None:
+        table = Table(title="midflight drill --matrix (kill -9)")
+        for column in ("killed", "boundary", "ok", "detail"):
+            table.add_column(column)
+        for cell in results:
+            verdict = "[green]ok[/green]" if cell.ok else "[red]FAIL[/red]"
+            table.add_row(cell.killed, cell.boundary, verdict, cell.detail)
+        console.print(table)
+        failed = sum(1 for cell in results if not cell.ok)
+        console.print("[green]PASS[/green]" if ok else f"[red]FAIL[/red]: {failed} cell(s)")
+
+    emit(cells_json(results), as_json=as_json, render=render)
+    raise typer.Exit(0 if ok else 1)

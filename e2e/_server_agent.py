@@ -19,7 +19,13 @@ import httpx
 from fastapi import FastAPI, Header
 from pydantic import BaseModel, ConfigDict, Field
 
-from participants import AgentParticipant, AgentTaskInput, ControlPlane, participant_app
+from participants import (
+    AgentParticipant,
+    AgentTaskInput,
+    ControlPlane,
+    error_responses,
+    participant_app,
+)
 from protocols import EpisodeId, InternalError, MidflightError, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
@@ -27,6 +33,17 @@ from ._cmd_serve import ServeContext, control_settings
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """Model and tool calls may be held through a checkpoint, hence the long read timeout."""
+SESSION_ERRORS: Final = error_responses(
+    (
+        "invalid_rollout_id",
+        "stale_attempt",
+        "activation_out_of_order",
+        "checkpoint_error",
+        "invalid_checkpoint_state",
+    ),
+    authenticated=False,
+)
+"""The refusals a session route of the agent may answer (declared in OpenAPI)."""
 
 
 class SeedBody(BaseModel):
@@ -135,14 +152,18 @@ def create_agent_app(
     app.state.participant = participant
     app.state.plane = plane
 
-    @app.post("/ng-rollout/{capture_key}/sessions/seed")
+    @app.post("/ng-rollout/{capture_key}/sessions/seed", responses=SESSION_ERRORS)
     async def seed(capture_key: str, body: SeedBody) -> dict[str, str]:
         """Open the session of this attempt; waits while a checkpoint is open."""
         episode_id = EpisodeId.from_capture_key(capture_key)
         key = await participant.seed(episode_id, body.resources_session_id, body.task_input)
         return {"session_key": key}
 
-    @app.post("/ng-rollout/{capture_key}/sessions/activate", response_model=ActivationReply)
+    @app.post(
+        "/ng-rollout/{capture_key}/sessions/activate",
+        response_model=ActivationReply,
+        responses=SESSION_ERRORS,
+    )
     async def activate(
         capture_key: str,
         activation: Annotated[int, Header(alias=ACTIVATION_HEADER, ge=1, le=10_000)],
@@ -151,7 +172,7 @@ def create_agent_app(
         episode_id = EpisodeId.from_capture_key(capture_key)
         return await participant.activate(episode_id, activation)
 
-    @app.post("/ng-rollout/{capture_key}/sessions/close")
+    @app.post("/ng-rollout/{capture_key}/sessions/close", responses=SESSION_ERRORS)
     async def close(capture_key: str) -> dict[str, Any]:
         """End the session (a running activation is cancelled)."""
         await participant.close(EpisodeId.from_capture_key(capture_key))

@@ -72,7 +72,7 @@ PUBLIC = {
         "ResourcesSession", "ResourcesSessionHooks", "RetireMarks", "RolloutTokenCapture",
         "RowCache", "SeededSession", "StreamingUnsupportedError", "SystemClock",
         "TrackedEpisode", "VerifyMode", "authorized", "build_report", "choose_tool",
-        "control_router", "describe_validation_error", "error_response", "fsync_directory",
+        "control_router", "describe_validation_error", "error_response", "error_responses", "fsync_directory",
         "generation_cut_restart_reason", "install_error_envelope", "ledger_control_router",
         "make_directory_durable", "participant_app", "read_participant_checkpoint",
         "rebuild_generation_cut", "write_file_durably",

@@ -27,6 +27,7 @@ from participants import (
     AgentTaskInput,
     ControlPlane,
     RestartOnlyAgentParticipant,
+    error_responses,
     participant_app,
 )
 from protocols import EpisodeId, InternalError, MidflightError, error_from_envelope
@@ -37,6 +38,17 @@ ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
 HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """Model and tool calls may be held through a checkpoint, hence the long read timeout."""
+SESSION_ERRORS: Final = error_responses(
+    (
+        "invalid_rollout_id",
+        "stale_attempt",
+        "activation_out_of_order",
+        "checkpoint_error",
+        "invalid_checkpoint_state",
+    ),
+    authenticated=False,
+)
+"""The refusals a session route of the agent may answer (declared in OpenAPI)."""
 
 
 class SeedBody(BaseModel):
@@ -150,7 +162,7 @@ def create_agent_app(
     app.state.participant = participant
     app.state.plane = plane
 
-    @app.post("/ng-rollout/{capture_key}/sessions/seed")
+    @app.post("/ng-rollout/{capture_key}/sessions/seed", responses=SESSION_ERRORS)
     async def seed(capture_key: str, body: SeedBody, response: Response) -> dict[str, str]:
         """Open the session of this attempt; waits while a checkpoint is open."""
         episode_id = EpisodeId.from_capture_key(capture_key)
@@ -159,7 +171,11 @@ def create_agent_app(
             response.headers[RESTART_HEADER] = "1"
         return {"session_key": key}
 
-    @app.post("/ng-rollout/{capture_key}/sessions/activate", response_model=ActivationReply)
+    @app.post(
+        "/ng-rollout/{capture_key}/sessions/activate",
+        response_model=ActivationReply,
+        responses=SESSION_ERRORS,
+    )
     async def activate(
         capture_key: str,
         activation: Annotated[int, Header(alias=ACTIVATION_HEADER, ge=1, le=10_000)],
@@ -168,7 +184,7 @@ def create_agent_app(
         episode_id = EpisodeId.from_capture_key(capture_key)
         return await participant.activate(episode_id, activation)
 
-    @app.post("/ng-rollout/{capture_key}/sessions/close")
+    @app.post("/ng-rollout/{capture_key}/sessions/close", responses=SESSION_ERRORS)
     async def close(capture_key: str) -> dict[str, Any]:
         """End the session (a running activation is cancelled)."""
         await participant.close(EpisodeId.from_capture_key(capture_key))

@@ -23,6 +23,7 @@ from participants import (
     ControlPlane,
     EnvironmentParticipant,
     SeededSession,
+    error_responses,
     participant_app,
 )
 from protocols import EpisodeId, error_from_envelope
@@ -38,6 +39,11 @@ HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, p
 PLAIN_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=60.0, write=60.0, pool=60.0)
 DEFAULT_EPISODE_SECONDS: Final = 3600.0
 """Each attempt's budget by default, not counting time a checkpoint holds it (D138)."""
+RUN_ERRORS: Final = error_responses(
+    ("invalid_rollout_id", "stale_attempt", "admission_closed", "checkpoint_error"),
+    authenticated=False,
+)
+"""The refusals of ``/run`` (declared in OpenAPI); a peer's refusal is a ``failure`` body."""
 
 
 class TaskId(BaseModel):
@@ -214,7 +220,7 @@ def create_environment_app(
     app.state.participant = participant
     app.state.plane = plane
 
-    @app.post("/run", tags=["episodes"])
+    @app.post("/run", tags=["episodes"], responses=RUN_ERRORS)
     async def run(body: RunRequest) -> dict[str, Any]:
         """Run one episode (or continue its restored boundary) and return its result."""
         task = body.task.model_dump(mode="json")

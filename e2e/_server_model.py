@@ -23,7 +23,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.to_thread
@@ -40,6 +40,7 @@ from participants import (
     FileCaptureLedger,
     ModelParticipant,
     ModelTicket,
+    error_responses,
     generation_cut_restart_reason,
     ledger_control_router,
     participant_app,
@@ -85,6 +86,17 @@ from ._policy_worker import (
     HttpCutRequester,
     call_worker,
 )
+
+MODEL_CALL_ERRORS: Final = error_responses(
+    (
+        "invalid_rollout_id",
+        "stale_attempt",
+        "admission_closed",
+        "checkpoint_coordinator_unavailable",
+    ),
+    authenticated=False,
+)
+"""The refusals of a model call (declared in OpenAPI)."""
 
 
 def request_digest(prompt: list[int]) -> str:
@@ -414,27 +426,51 @@ def create_model_app(
 
     # One handler, three thin adapters, each under the rollout prefix (a call of an episode)
     # and plain (an untagged call: served and gated, never captured).
-    @app.post(ROLLOUT_PREFIX + CHAT_API.path, summary="A chat completion of one episode's attempt")
+    @app.post(
+        ROLLOUT_PREFIX + CHAT_API.path,
+        summary="A chat completion of one episode's attempt",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def chat_completions(capture_key: str, body: ChatCompletionRequest) -> JSONResponse:
         return await server.serve(capture_key, chat_call(body), CHAT_API)
 
-    @app.post(CHAT_API.path, summary="An untagged chat completion (captured by no episode)")
+    @app.post(
+        CHAT_API.path,
+        summary="An untagged chat completion (captured by no episode)",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def untagged_chat_completions(body: ChatCompletionRequest) -> JSONResponse:
         return await server.serve(None, chat_call(body), CHAT_API)
 
-    @app.post(ROLLOUT_PREFIX + RESPONSES_API.path, summary="A response of one episode's attempt")
+    @app.post(
+        ROLLOUT_PREFIX + RESPONSES_API.path,
+        summary="A response of one episode's attempt",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def responses(capture_key: str, body: ResponsesRequest) -> JSONResponse:
         return await server.serve(capture_key, responses_call(body), RESPONSES_API)
 
-    @app.post(RESPONSES_API.path, summary="An untagged response (captured by no episode)")
+    @app.post(
+        RESPONSES_API.path,
+        summary="An untagged response (captured by no episode)",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def untagged_responses(body: ResponsesRequest) -> JSONResponse:
         return await server.serve(None, responses_call(body), RESPONSES_API)
 
-    @app.post(ROLLOUT_PREFIX + MESSAGES_API.path, summary="A message of one episode's attempt")
+    @app.post(
+        ROLLOUT_PREFIX + MESSAGES_API.path,
+        summary="A message of one episode's attempt",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def messages(capture_key: str, body: MessagesRequest) -> JSONResponse:
         return await server.serve(capture_key, messages_call(body), MESSAGES_API)
 
-    @app.post(MESSAGES_API.path, summary="An untagged message (captured by no episode)")
+    @app.post(
+        MESSAGES_API.path,
+        summary="An untagged message (captured by no episode)",
+        responses=MODEL_CALL_ERRORS,
+    )
     async def untagged_messages(body: MessagesRequest) -> JSONResponse:
         return await server.serve(None, messages_call(body), MESSAGES_API)
 

@@ -29,6 +29,7 @@ from participants import (
     ResourcesMode,
     ResourcesParticipant,
     VerifyMode,
+    error_responses,
     participant_app,
 )
 from protocols import EpisodeId, InvalidCheckpointStateError, InvalidRequestError
@@ -40,6 +41,11 @@ VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
 COUNTER_MODULUS: Final = 1_000_003
 TOOLS: Final = ("add", "mul", "note")
+SESSION_ERRORS: Final = error_responses(
+    ("invalid_rollout_id", "stale_attempt", "admission_closed", "checkpoint_error"),
+    authenticated=False,
+)
+"""The refusals a data-plane route of the resources server may answer (declared in OpenAPI)."""
 
 ToolName = Literal["add", "mul", "note"]
 
@@ -183,7 +189,11 @@ def create_resources_app(
     app.state.plane = plane
     app.state.counters = counters
 
-    @app.post("/ng-rollout/{capture_key}/seed_session", response_model=SeedSessionReply)
+    @app.post(
+        "/ng-rollout/{capture_key}/seed_session",
+        response_model=SeedSessionReply,
+        responses=SESSION_ERRORS,
+    )
     async def seed_session(
         capture_key: str, body: SeedSessionBody, response: Response
     ) -> SeedSessionReply:
@@ -198,7 +208,9 @@ def create_resources_app(
         response.set_cookie(SESSION_COOKIE, session_id, path="/")
         return SeedSessionReply(session_id=session_id)
 
-    @app.post("/ng-rollout/{capture_key}/tools/{tool}", response_model=ToolReply)
+    @app.post(
+        "/ng-rollout/{capture_key}/tools/{tool}", response_model=ToolReply, responses=SESSION_ERRORS
+    )
     async def call_tool(
         capture_key: str,
         tool: ToolName,
@@ -213,7 +225,9 @@ def create_resources_app(
             counter.apply(tool, body.arg)
             return ToolReply(value=counter.value, notes=len(counter.notes))
 
-    @app.post("/ng-rollout/{capture_key}/verify", response_model=VerifyReply)
+    @app.post(
+        "/ng-rollout/{capture_key}/verify", response_model=VerifyReply, responses=SESSION_ERRORS
+    )
     async def verify_session(
         capture_key: str, ng_session: Annotated[str | None, Cookie()] = None
     ) -> VerifyReply:
@@ -227,7 +241,7 @@ def create_resources_app(
             await participant.end_session(ad)
             return VerifyReply(reward=reward)
 
-    @app.post("/close_session")
+    @app.post("/close_session", responses=SESSION_ERRORS)
     async def close_session(
         ng_session: Annotated[str | None, Cookie()] = None,
     ) -> dict[str, Any]:

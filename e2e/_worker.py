@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any, Final
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from participants import (
     FileTokenStagingStore,
     authorized,
-    describe_validation_error,
     error_response,
+    error_responses,
+    install_error_envelope,
 )
 from protocols import (
     CompletionReply,
@@ -29,8 +29,6 @@ from protocols import (
     GenerationCutInventory,
     GenerationCutReceipt,
     InternalError,
-    InvalidRequestError,
-    MidflightError,
     TokenStagingStore,
     UnauthorizedError,
 )
@@ -111,13 +109,7 @@ def create_worker_app(
     )
     app.state.engine = engine
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(InvalidRequestError(describe_validation_error(exc)))
-
-    @app.exception_handler(MidflightError)
-    async def refused(request: Request, exc: MidflightError) -> JSONResponse:
-        return error_response(exc)
+    install_error_envelope(app)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:
@@ -127,13 +119,21 @@ def create_worker_app(
     async def healthz() -> dict[str, Any]:
         return {"status": "ok", "name": settings.name, "in_flight": len(engine.live)}
 
-    @app.post("/v1/completions", response_model=CompletionReply)
+    @app.post(
+        "/v1/completions",
+        response_model=CompletionReply,
+        responses=error_responses((), authenticated=False),
+    )
     async def completions(body: CompletionRequest) -> CompletionReply:
         return await engine.complete(body)
 
     if settings.control_token:
 
-        @app.post(GENERATION_CUT_ROUTE, response_model=GenerationCutReceipt)
+        @app.post(
+            GENERATION_CUT_ROUTE,
+            response_model=GenerationCutReceipt,
+            responses=error_responses(()),
+        )
         async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
             return await engine.cut(body)
 

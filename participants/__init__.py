@@ -29,6 +29,7 @@ from ._http import (
     control_router,
     describe_validation_error,
     error_response,
+    error_responses,
     install_error_envelope,
     participant_app,
 )
@@ -169,6 +170,7 @@ __all__ = [
     "control_router",
     "describe_validation_error",
     "error_response",
+    "error_responses",
     "fsync_directory",
     "generation_cut_restart_reason",
     "install_error_envelope",

@@ -13,11 +13,13 @@ from typing import Any, Final
 
 import structlog
 from fastapi import APIRouter, FastAPI, Request, Response, Security
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 
 from protocols import (
     CONTROL_PREFIX,
@@ -88,10 +90,30 @@ def describe_validation_error(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "the request is invalid"
 
 
-def error_responses(codes: Iterable[str]) -> dict[int | str, dict[str, Any]]:
-    """OpenAPI ``responses`` for the given codes plus 401, 422 and 500, grouped by status."""
+def unreadable_body_error(exc: HTTPException) -> MidflightError | None:
+    """The typed error of a request the framework refused before our handler ran, if any.
+
+    FastAPI raises ``HTTPException(400)`` when a body is not JSON (or not UTF-8): that is a body
+    that fails validation, ``invalid_request``. Other statuses (404, 405 of the router) have no
+    row in the error table and keep the framework's reply.
+    """
+    if exc.status_code in (400, 422):
+        return InvalidRequestError(f"the body could not be read: {exc.detail}")
+    return None
+
+
+def error_responses(
+    codes: Iterable[str], *, authenticated: bool = True
+) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for the given codes plus 422 and 500, grouped by status.
+
+    Args:
+        codes: The codes the route may answer besides the ones always declared.
+        authenticated: Whether the route checks a bearer token (then 401 is declared too).
+    """
+    always = ("unauthorized", "invalid_request") if authenticated else ("invalid_request",)
     by_status: dict[int, list[str]] = {}
-    for code in ("unauthorized", "invalid_request", *codes, "internal_error"):
+    for code in (*always, *codes, "internal_error"):
         spec = ERRORS_BY_CODE[code]
         by_status.setdefault(spec.http_status, [])
         if code not in by_status[spec.http_status]:
@@ -141,6 +163,11 @@ async def envelope_errors(
         return error_response(InvalidRequestError(describe_validation_error(exc)))
     except MidflightError as exc:
         return error_response(exc)
+    except HTTPException as exc:
+        refusal = unreadable_body_error(exc)
+        if refusal is None:
+            raise
+        return error_response(refusal)
     except Exception as exc:
         _log.exception("http.unhandled_error", path=request.url.path)
         return error_response(
@@ -215,8 +242,16 @@ def install_error_envelope(app: FastAPI) -> None:
         assert isinstance(exc, RequestValidationError)
         return error_response(InvalidRequestError(describe_validation_error(exc)))
 
+    async def on_http_exception(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        refusal = unreadable_body_error(exc)
+        if refusal is None:
+            return await http_exception_handler(request, exc)
+        return error_response(refusal)
+
     app.add_exception_handler(MidflightError, on_midflight_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
+    app.add_exception_handler(HTTPException, on_http_exception)
 
 
 def participant_app(

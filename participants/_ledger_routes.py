@@ -31,7 +31,7 @@ from protocols import (
     validate_ledger_keys,
 )
 
-from ._http import authorized, error_response
+from ._http import authorized, error_response, error_responses
 
 CHECKPOINT_OPEN_DETAIL = (
     "a checkpoint is open on this model server; retry ledger retire and delete after it resumes"
@@ -107,6 +107,7 @@ def ledger_control_router(
         methods=["POST"],
         response_model=RolloutRemoval,
         openapi_extra=_BATCH_BODY,
+        responses=error_responses(("invalid_rollout_id", "checkpoint_open")),
         summary="Fence and remove capture ledgers",
     )
     router.add_api_route(
@@ -115,10 +116,15 @@ def ledger_control_router(
         methods=["POST"],
         response_model=RolloutRemoval,
         openapi_extra=_BATCH_BODY,
+        responses=error_responses(("invalid_rollout_id", "checkpoint_open")),
         summary="Remove capture ledgers and their fences",
     )
 
-    @router.get("/rollouts/{rollout_id}/manifest", summary="The manifest of one capture key")
+    @router.get(
+        "/rollouts/{rollout_id}/manifest",
+        summary="The manifest of one capture key",
+        responses=error_responses(("invalid_rollout_id", "rollout_retired")),
+    )
     async def manifest(rollout_id: str, request: Request) -> JSONResponse:
         try:
             _check_token(request, capture_token)

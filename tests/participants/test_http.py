@@ -107,6 +107,7 @@ async def test_every_route_answers_401_without_the_token_whatever_the_body(
     "body",
     [
         b"{not json",
+        b"\xef\x6f\xff\xfe",  # not UTF-8: FastAPI's own 400, which must not become a 500
         b"",
         b"[]",
         b'"text"',
@@ -190,6 +191,25 @@ async def test_an_unexpected_participant_error_is_an_enveloped_500(client: Clien
     response = await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
     assert _error(response) == (500, "internal_error")
     assert client.fake.admission_open
+
+
+async def test_a_data_plane_body_that_cannot_be_read_is_422_in_the_envelope() -> None:
+    plane = ControlPlane(FakeParticipant(), clock=ManualClock(NOW))
+    app = participant_app(plane, token=TOKEN)
+
+    @app.post("/data")
+    async def data(body: dict[str, int]) -> dict[str, int]:
+        return body
+
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://p"
+    ) as http:
+        unreadable = await http.post(
+            "/data", content=b"\xef\x6f\xff", headers={"content-type": "application/json"}
+        )
+        assert _error(unreadable) == (422, "invalid_request")
+        # A route that does not exist has no row in the error table: the framework's 404 stays.
+        assert (await http.post("/nowhere", json={})).status_code == 404
 
 
 async def test_health_and_metrics(client: Client) -> None:

@@ -19,7 +19,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -108,26 +108,29 @@ class DriverProcess:
         )
         self._buffer = b""
 
-    def wait_for(self, word: str, timeout: float, on_line: Callable[[str], None]) -> bool:
-        """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
+    def lines(self, timeout: float, on_line: Callable[[str], None]) -> Iterator[str]:
+        """The lines the process prints (each passed to ``on_line`` first), until it closes its
+        output or ``timeout`` passes; what follows the last line read stays buffered."""
         assert self.process.stdout is not None
         deadline = time.monotonic() + timeout
         with selectors.DefaultSelector() as selector:
             selector.register(self.process.stdout, selectors.EVENT_READ)
             while (remaining := deadline - time.monotonic()) > 0:
-                if not selector.select(remaining):
-                    continue
-                chunk = os.read(self.process.stdout.fileno(), 4096)
-                if not chunk:
-                    return False
-                self._buffer += chunk
                 while b"\n" in self._buffer:
                     line, self._buffer = self._buffer.split(b"\n", 1)
                     text = line.decode(errors="replace").strip()
                     on_line(text)
-                    if text == word:
-                        return True
-        return False
+                    yield text
+                if not selector.select(remaining):
+                    continue
+                chunk = os.read(self.process.stdout.fileno(), 4096)
+                if not chunk:
+                    return
+                self._buffer += chunk
+
+    def wait_for(self, word: str, timeout: float, on_line: Callable[[str], None]) -> bool:
+        """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
+        return any(text == word for text in self.lines(timeout, on_line))
 
     def kill(self) -> None:
         """SIGKILL the controller's process group."""

@@ -19,10 +19,8 @@ the sequence seed chooses only the operations.
 from __future__ import annotations
 
 import json
-import os
 import random
 import secrets
-import selectors
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping
@@ -97,26 +95,11 @@ class SequenceDriverProcess(DriverProcess):
         Raises:
             RuntimeError: It exited or said neither within ``timeout``.
         """
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + timeout
-        buffer = b""
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            while (remaining := deadline - time.monotonic()) > 0:
-                if not selector.select(remaining):
-                    continue
-                chunk = os.read(self.process.stdout.fileno(), 4096)
-                if not chunk:
-                    break
-                buffer += chunk
-                while b"\n" in buffer:
-                    line, buffer = buffer.split(b"\n", 1)
-                    text = line.decode(errors="replace").strip()
-                    on_line(text)
-                    if text == "done":
-                        return None
-                    if text.startswith("crash-at "):
-                        return int(text.split()[1])
+        for text in self.lines(timeout, on_line):
+            if text == "done":
+                return None
+            if text.startswith("crash-at "):
+                return int(text.split()[1])
         raise RuntimeError("the sequence driver ended without 'done' or 'crash-at'")
 
 

@@ -22,6 +22,19 @@ def completion(seed: int, messages: list[dict[str, str]], max_tokens: int) -> st
     return decode(generate_tokens(seed, encode(render_prompt(messages)), 0, max_tokens))
 
 
+def counter_tool_step(content: str, value: int, notes: list[int]) -> tuple[int, str]:
+    """The tool the contract picks for ``content``, applied: the new value and the tool's reply."""
+    digest = hashlib.sha256(content.encode("latin-1")).digest()
+    tool, arg = ("add", "mul", "note")[digest[0] % 3], digest[1] % 10
+    if tool == "add":
+        value = (value + arg) % 1_000_003
+    elif tool == "mul":
+        value = (value * (arg + 1)) % 1_000_003
+    else:
+        notes.append(arg)
+    return value, f"{tool} {arg} -> {value} {len(notes)}"
+
+
 def expected_episode(rollout_id: str, task: dict[str, int], model_seed: int = 0) -> list[Any]:
     """Every message per activation, computed from the contract alone (the test oracle)."""
     conversation = [
@@ -35,17 +48,8 @@ def expected_episode(rollout_id: str, task: dict[str, int], model_seed: int = 0)
         for _ in range(task["turns"]):
             content = completion(model_seed, conversation, task["max_tokens"])
             conversation.append({"role": "assistant", "content": content})
-            d = hashlib.sha256(content.encode("latin-1")).digest()
-            tool, arg = ("add", "mul", "note")[d[0] % 3], d[1] % 10
-            if tool == "add":
-                value = (value + arg) % 1_000_003
-            elif tool == "mul":
-                value = (value * (arg + 1)) % 1_000_003
-            else:
-                notes.append(arg)
-            conversation.append(
-                {"role": "tool", "content": f"{tool} {arg} -> {value} {len(notes)}"}
-            )
+            value, tool_reply = counter_tool_step(content, value, notes)
+            conversation.append({"role": "tool", "content": tool_reply})
         per_activation.append(conversation[start:])
     return per_activation
 

@@ -8,7 +8,6 @@ come from the contract alone (``expected_result``), never from a run.
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -27,7 +26,7 @@ from e2e._supervisor import Supervisor, SupervisorOptions
 from e2e._tokens_of import token_sequence
 from protocols import CONTROL_PREFIX, EpisodeId, encode, render_prompt
 
-from .agent_fakes import completion
+from .agent_fakes import completion, counter_tool_step
 
 TOKEN = "scenario-token"
 TASK: dict[str, int] = {"activations": 2, "turns": 1, "max_tokens": 24, "seed": 0}
@@ -48,15 +47,8 @@ def expected_episode(rollout_id: str, task: Mapping[str, int]) -> tuple[dict[str
         content = completion(0, conversation, task["max_tokens"])
         last = encode(render_prompt(conversation)) + encode(content)
         conversation.append({"role": "assistant", "content": content})
-        digest = hashlib.sha256(content.encode("latin-1")).digest()
-        tool, arg = ("add", "mul", "note")[digest[0] % 3], digest[1] % 10
-        if tool == "add":
-            value = (value + arg) % 1_000_003
-        elif tool == "mul":
-            value = (value * (arg + 1)) % 1_000_003
-        else:
-            notes.append(arg)
-        conversation.append({"role": "tool", "content": f"{tool} {arg} -> {value} {len(notes)}"})
+        value, tool_reply = counter_tool_step(content, value, notes)
+        conversation.append({"role": "tool", "content": tool_reply})
     calls = task["activations"] * task["turns"]
     result = {
         "reward": (value + 7 * sum(notes)) % 101 / 100,

@@ -35,8 +35,11 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+## Two workers, one test file each at a time (module fixtures start their servers once).
+PYTEST_WORKERS ?= -n 2 --dist loadfile
+
 pytest: $(STAMP)
-	$(BIN)/pytest -m "not soak" $(PYTEST_FLAGS)
+	$(BIN)/pytest -m "not soak" $(PYTEST_WORKERS) $(PYTEST_FLAGS)
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/.site

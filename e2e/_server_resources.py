@@ -16,12 +16,14 @@ is open it waits for resume inside the server, then the admission rules apply.
 from __future__ import annotations
 
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Final, Literal
 
 import anyio
 from fastapi import Cookie, FastAPI, Response
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from participants import (
@@ -164,6 +166,45 @@ def _session_cookie(value: str | None) -> str:
     return value
 
 
+class RequestMetrics:
+    """``/metrics`` of the resources routes: requests in progress and finished, per route.
+
+    An operator sees a slow verify holding a checkpoint (``wait``) or running through one
+    (``replay``); after a restore, a verify counted again in the fresh process is a re-run.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.finished = Counter(
+            "midflight_resources_requests",
+            "Resources requests finished, by route and outcome (ok or refused).",
+            ["route", "outcome"],
+            registry=registry,
+        )
+        self.in_progress = Gauge(
+            "midflight_resources_requests_in_progress",
+            "Resources requests being served (waiting for admission included), by route.",
+            ["route"],
+            registry=registry,
+        )
+        for route in ("seed", "tool", "verify", "close"):  # every series scrapes from the start
+            self.in_progress.labels(route=route)
+            for outcome in ("ok", "refused"):
+                self.finished.labels(route=route, outcome=outcome)
+
+    @asynccontextmanager
+    async def serving(self, route: str) -> AsyncIterator[None]:
+        """Count one request of ``route`` while it runs, then by how it ended."""
+        gauge = self.in_progress.labels(route=route)
+        gauge.inc()
+        outcome = "refused"
+        try:
+            yield
+            outcome = "ok"
+        finally:
+            gauge.dec()
+            self.finished.labels(route=route, outcome=outcome).inc()
+
+
 def create_resources_app(
     ctx: ServeContext,
     *,
@@ -188,6 +229,7 @@ def create_resources_app(
     app.state.participant = participant
     app.state.plane = plane
     app.state.counters = counters
+    metrics = RequestMetrics(plane.telemetry.registry)
 
     @app.post(
         "/ng-rollout/{capture_key}/seed_session",
@@ -199,7 +241,10 @@ def create_resources_app(
     ) -> SeedSessionReply:
         """Start a counter session bound to the capture key."""
         episode = EpisodeId.from_capture_key(capture_key)
-        async with participant.admit("seed", episode_id=episode, session_id=None):
+        async with (
+            metrics.serving("seed"),
+            participant.admit("seed", episode_id=episode, session_id=None),
+        ):
             session_id = counters.create()
             await participant.bind_session(session_id, episode)
         response.headers[VERIFY_HEADER] = verify
@@ -220,7 +265,10 @@ def create_resources_app(
         """Apply one tool to the session's counter."""
         episode = EpisodeId.from_capture_key(capture_key)
         session_id = _session_cookie(ng_session)
-        async with participant.admit("tool", episode_id=episode, session_id=session_id):
+        async with (
+            metrics.serving("tool"),
+            participant.admit("tool", episode_id=episode, session_id=session_id),
+        ):
             counter = counters.counters[session_id]
             counter.apply(tool, body.arg)
             return ToolReply(value=counter.value, notes=len(counter.notes))
@@ -234,7 +282,10 @@ def create_resources_app(
         """The reward of the session's whole history; ends the session."""
         episode = EpisodeId.from_capture_key(capture_key)
         session_id = _session_cookie(ng_session)
-        async with participant.admit("verify", episode_id=episode, session_id=session_id) as ad:
+        async with (
+            metrics.serving("verify"),
+            participant.admit("verify", episode_id=episode, session_id=session_id) as ad,
+        ):
             if verify_delay_ms > 0:
                 await anyio.sleep(verify_delay_ms / 1000)
             reward = counters.counters[session_id].reward()
@@ -246,7 +297,10 @@ def create_resources_app(
         ng_session: Annotated[str | None, Cookie()] = None,
     ) -> dict[str, Any]:
         """End the session; never refused (an unknown session is already closed)."""
-        async with participant.admit("close", episode_id=None, session_id=ng_session) as ad:
+        async with (
+            metrics.serving("close"),
+            participant.admit("close", episode_id=None, session_id=ng_session) as ad,
+        ):
             await participant.end_session(ad)
         return {}
 

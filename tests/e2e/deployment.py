@@ -22,7 +22,7 @@ from e2e._cluster import Role, read_cluster
 from e2e._cmd_serve import LEASE_GRACE_ENV
 from e2e._control import ControlSession
 from e2e._server_model import read_policy_evidence
-from e2e._supervisor import Supervisor, SupervisorOptions
+from e2e._supervisor import ExtraServer, Supervisor, SupervisorOptions
 from e2e._tokens_of import token_sequence
 from protocols import CONTROL_PREFIX, EpisodeId, encode, render_prompt
 
@@ -58,6 +58,11 @@ def expected_episode(rollout_id: str, task: Mapping[str, int]) -> tuple[dict[str
     return result, last
 
 
+def ep(rollout: str, attempt: int = 0) -> EpisodeId:
+    """The episode id of ``rollout``'s attempt."""
+    return EpisodeId(rollout_id=rollout, attempt=attempt)
+
+
 def error_code(reply: httpx.Response) -> str | None:
     """The ``error.code`` of a refusal, or None."""
     if reply.status_code < 400:
@@ -81,6 +86,11 @@ class Deployment:
         """The URL of the (current) server of ``role``."""
         return self.control.cluster.url_of(role)
 
+    def url_named(self, name: str) -> str:
+        """The URL of the (current) server called ``name`` (an extra server, say)."""
+        (url,) = [s.url for s in self.control.cluster.servers if s.name == name]
+        return url
+
     async def coordinator(self) -> Coordinator:
         """The coordinator over every participant of the current processes."""
         return await self.control.coordinator()
@@ -96,11 +106,21 @@ class Deployment:
             },
         }
 
-    async def run(self, rollout: str, attempt: int) -> httpx.Response:
-        """``POST /run`` once; the raw reply."""
-        return await self.http.post(
-            self.url("environment") + "/run", json=self.run_body(rollout, attempt)
-        )
+    async def run(self, rollout: str, attempt: int, server: str | None = None) -> httpx.Response:
+        """``POST /run`` once (on the environment server called ``server``); the raw reply."""
+        base = self.url("environment") if server is None else self.url_named(server)
+        return await self.http.post(base + "/run", json=self.run_body(rollout, attempt))
+
+    async def metric(self, server: str, name: str, **labels: str) -> float:
+        """One sample of a server's ``/metrics`` (0 when the series is absent)."""
+        reply = await self.http.get(self.url_named(server) + "/metrics")
+        reply.raise_for_status()
+        wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        head = f"{name}{{{wanted}}}" if labels else name
+        for line in reply.text.splitlines():
+            if line.startswith(head + " "):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
 
     async def status(self, role: Role) -> dict[str, Any]:
         """A participant's control status."""
@@ -182,14 +202,28 @@ LEASE_GRACE_SECONDS = 3.0
 """The servers' lease grace (``MIDFLIGHT_LEASE_GRACE_SECONDS``): short, so a lease can expire."""
 
 
-def start_deployment(root: Path, *, token_delay_ms: float = 15.0) -> Supervisor:
-    """Start every role under ``root`` (each in its own process group); the caller kills them."""
+def start_deployment(
+    root: Path,
+    *,
+    token_delay_ms: float = 15.0,
+    resources: Mapping[str, Any] | None = None,
+    extra_servers: tuple[ExtraServer, ...] = (),
+) -> Supervisor:
+    """Start every role under ``root`` (each in its own process group); the caller kills them.
+
+    Args:
+        root: The run root.
+        token_delay_ms: The worker's delay per token.
+        resources: Options of the resources server (default: exported, verify waited for).
+        extra_servers: More servers (a second chain of agent and environment, say).
+    """
     options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": token_delay_ms, "seed": 0},
-            "resources": {"mode": "exported", "verify": "wait"},
+            "resources": dict(resources or {"mode": "exported", "verify": "wait"}),
         },
         env={LEASE_GRACE_ENV: str(LEASE_GRACE_SECONDS)},
+        extra_servers=extra_servers,
     )
     supervisor = Supervisor(root.resolve(), TOKEN, options)
     supervisor.start_all()

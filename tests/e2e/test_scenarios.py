@@ -36,6 +36,7 @@ from protocols import CONTROL_PREFIX, EpisodeId
 from .deployment import (
     Deployment,
     attached,
+    ep,
     error_code,
     expected_episode,
     start_deployment,
@@ -54,10 +55,6 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]
         yield started
     finally:
         started.kill_all()
-
-
-def ep(rollout: str, attempt: int = 0) -> EpisodeId:
-    return EpisodeId(rollout_id=rollout, attempt=attempt)
 
 
 async def finish(deployed: Deployment, rollout: str, attempt: int) -> list[str]:

@@ -102,6 +102,33 @@ async def test_tools_follow_the_counter_arithmetic_and_verify_rewards_the_histor
         assert code(after) == (409, "checkpoint_error")
 
 
+def sample(text: str, name: str, **labels: str) -> float:
+    wanted = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    (value,) = [
+        line.rsplit(" ", 1)[1]
+        for line in text.splitlines()
+        if line.startswith(f"{name}{{{wanted}}} ")
+    ]
+    return float(value)
+
+
+async def test_metrics_count_requests_by_route_and_outcome(tmp_path: Path) -> None:
+    async with resources(tmp_path) as (client, _app):
+        sid = await seed(client, "r1")
+        await tool(client, "r1", sid, "add", 1)
+        assert code(await tool(client, "r1-a1", sid, "add", 1)) == (409, "stale_attempt")
+        await client.post("/ng-rollout/r1/verify", headers=cookie(sid))
+        text = (await client.get("/metrics")).text
+        total = "midflight_resources_requests_total"
+        assert sample(text, total, route="seed", outcome="ok") == 1
+        assert sample(text, total, route="tool", outcome="ok") == 1
+        assert sample(text, total, route="tool", outcome="refused") == 1
+        assert sample(text, total, route="verify", outcome="ok") == 1
+        assert sample(text, total, route="close", outcome="ok") == 0
+        gauge = "midflight_resources_requests_in_progress"
+        assert sample(text, gauge, route="verify") == 0
+
+
 async def test_the_value_wraps_at_the_modulus(tmp_path: Path) -> None:
     async with resources(tmp_path) as (client, _app):
         sid = await seed(client, "r1")

@@ -1,0 +1,228 @@
+"""Process-level scenarios of step modes: verify waited for or replayed, restart-only rollouts.
+
+One deployment per module runs two chains side by side, each a real server process:
+
+- the base chain (environment → agent → resources) whose resources server declares
+  ``verify = wait`` and takes ``WAIT_VERIFY_MS`` per verify;
+- a replay chain (``environment-replay`` → ``agent-replay`` → ``resources-replay``) whose
+  resources server declares ``verify = replay`` and takes ``REPLAY_VERIFY_MS`` per verify;
+- a restart-only chain (``environment-restart`` → ``agent-restart``).
+
+All share the policy and worker servers. Each resources server counts its verifies on
+``/metrics`` (``midflight_resources_requests_total`` and ``…_in_progress``), which is how these
+tests see a verify held by a checkpoint, running through one, or run again after a restore.
+
+The verify of the base chain is also the episode's last step, so these tests show an episode that
+finishes during prepare, without a crash (its result waits for resume) and with one (the restored
+attempt returns the recorded reward without verifying again).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from e2e._supervisor import ExtraServer, Supervisor
+from protocols import EpisodeId
+
+from .deployment import (
+    TASK,
+    WAIT_SECONDS,
+    Deployment,
+    attached,
+    ep,
+    expected_episode,
+    start_deployment,
+)
+
+pytestmark = [pytest.mark.process, pytest.mark.anyio]
+
+WAIT_VERIFY_MS = 1500.0
+"""Long enough that a prepare sent while it runs has to wait for it."""
+REPLAY_VERIFY_MS = 6000.0
+"""Longer than a prepare that waits for the base chain's verify, so it outlives that prepare."""
+REPLAY_CHAIN = ("environment-replay", "agent-replay", "resources-replay")
+IN_PROGRESS = "midflight_resources_requests_in_progress"
+FINISHED = "midflight_resources_requests_total"
+
+
+@pytest.fixture(scope="module")
+def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
+    environment, agent, resources = REPLAY_CHAIN
+    extra = (
+        ExtraServer(
+            resources,
+            "resources",
+            {"mode": "exported", "verify": "replay", "verify_delay_ms": REPLAY_VERIFY_MS},
+        ),
+        ExtraServer(agent, "agent", peers={"resources": resources}),
+        ExtraServer(environment, "environment", peers={"agent": agent, "resources": resources}),
+        ExtraServer("agent-restart", "agent", {"restart_only": True}),
+        ExtraServer("environment-restart", "environment", peers={"agent": "agent-restart"}),
+    )
+    started = start_deployment(
+        tmp_path_factory.mktemp("steps") / "run",
+        resources={"mode": "exported", "verify": "wait", "verify_delay_ms": WAIT_VERIFY_MS},
+        extra_servers=extra,
+    )
+    try:
+        yield started
+    finally:
+        started.kill_all()
+
+
+async def verifies(deployed: Deployment, server: str) -> tuple[float, float]:
+    """``server``'s verifies: (in progress, finished ok)."""
+    running = await deployed.metric(server, IN_PROGRESS, route="verify")
+    done = await deployed.metric(server, FINISHED, route="verify", outcome="ok")
+    return running, done
+
+
+async def until_verifying(deployed: Deployment, server: str) -> None:
+    """Wait until ``server`` is serving a verify."""
+    with anyio.fail_after(WAIT_SECONDS):
+        while (await verifies(deployed, server))[0] < 1:  # noqa: ASYNC110 - another process
+            await anyio.sleep(0.02)
+
+
+def exported_boundaries(directory: Path) -> dict[str, str | None]:
+    """Capture key → the ``next`` of the boundary each environment server exported."""
+    found: dict[str, str | None] = {}
+    for records in directory.glob("gym/environment/*/records-*.jsonl"):
+        for line in records.read_bytes().splitlines():
+            record = json.loads(line)
+            key = EpisodeId.model_validate(record["episode_id"]).capture_key
+            boundary = record["boundary"]
+            found[key] = None if boundary is None else boundary["next"]
+    return found
+
+
+async def check_result(deployed: Deployment, reply: httpx.Response, rollout: str, key: str) -> None:
+    """The contract's result of ``rollout`` and its tokens under ``key``."""
+    assert reply.status_code == 200, reply.text
+    expected, tokens = expected_episode(rollout, deployed.task)
+    assert reply.json()["result"] == expected
+    assert await deployed.tokens(key) == tokens
+
+
+async def start_both(
+    deployed: Deployment, group: Any, waited: str, replayed: str, replies: dict[str, httpx.Response]
+) -> None:
+    """Start one rollout per chain and return once both are verifying.
+
+    The replay chain goes first and the base chain starts only once its verify runs, so the
+    base chain's shorter verify starts and ends inside the replay chain's longer one.
+    """
+
+    async def run(rollout: str, server: str | None) -> None:
+        with contextlib.suppress(httpx.TransportError):  # killed with its server (the crash)
+            replies[rollout] = await deployed.run(rollout, 0, server)
+
+    group.start_soon(run, replayed, REPLAY_CHAIN[0])
+    await until_verifying(deployed, REPLAY_CHAIN[2])
+    group.start_soon(run, waited, None)
+    await until_verifying(deployed, "resources")
+
+
+async def test_verify_waited_for_and_replayed_side_by_side_without_a_crash(
+    supervisor: Supervisor,
+) -> None:
+    replies: dict[str, httpx.Response] = {}
+    async with attached(supervisor, TASK) as deployed:
+        before_wait = (await verifies(deployed, "resources"))[1]
+        before_replay = (await verifies(deployed, "resources-replay"))[1]
+        async with anyio.create_task_group() as group:
+            await start_both(deployed, group, "vw", "vr", replies)
+            assert (await deployed.control.prepare("vv-c1", deployed.deadline())).prepared
+            # The waited-for verify ended inside prepare; the replayable one still runs.
+            assert await verifies(deployed, "resources") == (0, before_wait + 1)
+            assert await verifies(deployed, "resources-replay") == (1, before_replay)
+            directory = deployed.checkpoint_dir("vv-c1")
+            await deployed.control.commit(
+                "vv-c1", deployed.deadline(), directory, [ep("vw"), ep("vr")]
+            )
+            # The finished episode parked after its last step; the other before its verify.
+            assert exported_boundaries(directory) == {"vw": "return", "vr": "verify"}
+            assert replies == {}  # the episode that finished during prepare waits for resume
+            await deployed.control.resume("vv-c1", deployed.deadline())
+        await check_result(deployed, replies["vw"], "vw", "vw")
+        await check_result(deployed, replies["vr"], "vr", "vr")
+        # Without a crash neither verify runs twice.
+        assert (await verifies(deployed, "resources"))[1] == before_wait + 1
+        assert (await verifies(deployed, "resources-replay"))[1] == before_replay + 1
+        await deployed.control.retire(f"retire-{time.time_ns()}", [ep("vw"), ep("vr")])
+        await deployed.control.forget(f"forget-{time.time_ns()}", ["vw", "vr"])
+
+
+@pytest.mark.timeout(240)  # ten processes killed and started again on a busy 2-core machine
+async def test_verify_waited_for_is_not_redone_and_replayed_runs_again_after_a_crash(
+    supervisor: Supervisor,
+) -> None:
+    replies: dict[str, httpx.Response] = {}
+    scope = [ep("cw"), ep("cr")]
+    async with attached(supervisor, TASK) as deployed:
+        async with anyio.create_task_group() as group:
+            await start_both(deployed, group, "cw", "cr", replies)
+            assert (await deployed.control.prepare("cv-c1", deployed.deadline())).prepared
+            directory = deployed.checkpoint_dir("cv-c1")
+            await deployed.control.commit("cv-c1", deployed.deadline(), directory, scope)
+            assert exported_boundaries(directory) == {"cw": "return", "cr": "verify"}
+            await deployed.crash()  # before resume: nothing of attempt 0 was delivered
+        assert replies == {}
+        assert await verifies(deployed, "resources") == (0, 0)  # fresh processes
+        restored = await deployed.control.restore("cv-r1", deployed.deadline(), directory, scope)
+        assert restored == ["cr-a1", "cw-a1"]
+        await deployed.control.resume("cv-r1", deployed.deadline())
+        again: dict[str, httpx.Response] = {}
+
+        async def rerun(rollout: str, server: str | None) -> None:
+            again[rollout] = await deployed.run(rollout, 1, server)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(rerun, "cw", None)
+            group.start_soon(rerun, "cr", REPLAY_CHAIN[0])
+        await check_result(deployed, again["cw"], "cw", "cw-a1")
+        await check_result(deployed, again["cr"], "cr", "cr-a1")
+        # The episode that finished during prepare returned its recorded reward: no verify.
+        assert (await verifies(deployed, "resources"))[1] == 0
+        # The replayable verify was cut short by the crash and ran again from its boundary.
+        assert (await verifies(deployed, "resources-replay"))[1] == 1
+        await deployed.control.retire(f"retire-{time.time_ns()}", [ep("cw", 1), ep("cr", 1)])
+        await deployed.control.forget(f"forget-{time.time_ns()}", ["cw", "cr"])
+
+
+async def test_a_restart_only_rollout_runs_through_a_checkpoint_without_a_crash(
+    supervisor: Supervisor,
+) -> None:
+    async with attached(supervisor, TASK) as deployed:
+        replies: dict[str, httpx.Response] = {}
+
+        async def run() -> None:
+            replies["ro"] = await deployed.run("ro", 0, "environment-restart")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run)
+            await deployed.model_in_flight()
+            prepared = await deployed.control.prepare("ro-c1", deployed.deadline())
+            # It never holds the checkpoint, and it is reported as a restart, not exported.
+            assert prepared.prepared
+            assert ep("ro") in prepared.restarts()
+            directory = deployed.checkpoint_dir("ro-c1")
+            await deployed.control.commit("ro-c1", deployed.deadline(), directory, [])
+            assert "ro" not in exported_boundaries(directory)
+            await deployed.control.resume("ro-c1", deployed.deadline())
+        # With no crash it simply goes on: one result, and no model call made twice.
+        await check_result(deployed, replies["ro"], "ro", "ro")
+        egress = deployed.egress()
+        digests = [e["request_digest"] for e in egress if e["capture_key"] == "ro"]
+        assert digests and len(digests) == len(set(digests))
+        await deployed.control.retire(f"retire-{time.time_ns()}", [ep("ro")])
+        await deployed.control.forget(f"forget-{time.time_ns()}", ["ro"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import threading
 import time
@@ -127,6 +129,49 @@ async def test_a_conflicting_row_fails_alone_and_its_group_shares_one_fsync_per_
         assert len(ledger.export_rows("b")) == 2
         # One fsync per ledger for the whole group, not one per row.
         assert sorted(gate.synced) == ["a.lineage.jsonl", "b.lineage.jsonl", "first.lineage.jsonl"]
+    finally:
+        ledger.close()
+
+
+@pytest.mark.parametrize("how", ["cancel_scope", "task_cancel"])
+async def test_a_cancelled_caller_returns_only_after_its_row_is_durable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    ledger = FileCaptureLedger(tmp_path)
+    gate = FsyncGate(monkeypatch, hold="a.lineage.jsonl")
+    ended: list[str] = []
+    task: list[asyncio.Task[Any]] = []
+
+    scope = anyio.CancelScope()
+
+    async def record() -> None:
+        task.append(asyncio.current_task())  # type: ignore[arg-type]
+        with contextlib.suppress(asyncio.CancelledError), scope:  # the bare cancel ends here
+            try:
+                await ledger.record(commit("a", 0))
+            except asyncio.CancelledError:
+                ended.append("cancelled")
+                raise
+            ended.append("returned")
+
+    try:
+        with anyio.fail_after(DEADLINE_S):
+            async with anyio.create_task_group() as group:
+                group.start_soon(record)
+                await gate.wait_held()  # the row is written, not yet fsynced
+                if how == "cancel_scope":
+                    scope.cancel()
+                else:
+                    task[0].cancel()  # a bare asyncio cancel, outside any anyio scope
+                for _ in range(20):
+                    await anyio.sleep(0.01)
+                assert ended == []  # still waiting for its row, cancelled or not
+                assert gate.synced == []
+                gate.release()
+        # Cancelled at once or at its next checkpoint: either way only after the fsync.
+        assert len(ended) == 1
+        assert gate.synced == ["a.lineage.jsonl"]
+        assert [row["model_call_id"] for row in ledger.export_rows("a")] == ["call-0"]
     finally:
         ledger.close()
 

@@ -9,6 +9,7 @@ from protocols import (
     assistant_fingerprint,
     conversation_digest,
     custody_row,
+    encode_row,
     failure_row,
     resolve_explicit_rows,
     resolve_rows,
@@ -75,3 +76,48 @@ def test_explicit_resolution_reasons() -> None:
     hollow = dict(row, staging_chain=[])
     missing = resolve_explicit_rows([hollow], "call-0", conversation(1))
     assert missing.reason == "explicit_parent_tokens_missing"
+
+
+# Computed by the straightforward implementation before the digests were made faster (D185):
+# any change to the hashed layout or to the ledger line fails here, and old ledgers stop matching.
+_GOLDEN_ITEMS: list[dict[str, Any]] = [
+    {"role": "system", "content": "counter"},
+    {"role": "user", "content": "héllo ✓", "name": "ann"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"name": "add", "arguments": '{"b": 1, "a": "é"}', "id": "t1"},
+            {"name": "noop", "arguments": "not json"},
+        ],
+    },
+    {"role": "tool", "content": "2", "tool_call_id": "t1"},
+    {"role": "assistant", "content": "done", "reasoning": "never hashed"},
+]
+
+
+def test_the_digests_and_the_ledger_line_are_byte_for_byte_stable() -> None:
+    assert assistant_fingerprint(_GOLDEN_ITEMS) == (
+        "fbfcc81fc5cc63f668f70590d97378aac0e7eac411f42fd5dab3d6383eb6f992"
+    )
+    assert conversation_digest(_GOLDEN_ITEMS) == (
+        "477758180e2308f8118e0c04e62b62641c54d7514be3d62c08864a9ff5d6e7e4"
+    )
+    assert conversation_digest([]) == (
+        "ed8c4d4ffa94d6b63f9a64aae5c779f1043d77460b12e94e9ae9d43b6bb550c6"
+    )
+    line = encode_row(custody_row(commit("r-a1", 2, capture_key="r-a1")))
+    assert line == (
+        b'{"admitted_at":1.5,"capture_key":"r-a1","chain_hash":"d58384f424abb184811c38fb6d51c0f7'
+        b'0d653cb2398067bf5aad4394eff94a5d","context_digest":"60adea85651166ed2085f53e558a8aa95dd'
+        b'682313b7ff8461e4774b60bae074d","context_len":6,"continuation_fingerprint":null,"cum_len"'
+        b':15,"cumulative_hash":"3b37507b54914c2898c0a52c2d9a1249e8ed604916036da1ee467ce293499335'
+        b'","delta_len":5,"digest":"3b37507b54914c2898c0a52c2d9a1249e8ed604916036da1ee467ce293499'
+        b'335","extras_digest":"8631cffb5079412ce2bd60eedf4ec6785d34e596b3160ea918b618921b0be999",'
+        b'"fingerprint":"38b0a51565a6028ee780e10646a20fd4f1bf473acb3c47bbc142ff6a40e737d8","finge'
+        b'rprint_version":1,"mode":"token_in","model_call_id":"call-2","output_fingerprint":null,"'
+        b'parent_call_id":"call-1","prev_len":10,"response_id":"resp-call-2","staging_chain":["st'
+        b'age/r-a1/call-0","stage/r-a1/call-1","stage/r-a1/call-2"],"staging_digest":"e0e6155568e'
+        b'fa3f92aa24ece37399518e689b537072ec11c0feb6f0e279fdc99","staging_key":"stage/r-a1/call-2"'
+        b',"weight_version":1}\n'
+    )

@@ -1,0 +1,47 @@
+"""The ledger benchmark's parts: the floors do their work where the figures say they do."""
+
+from __future__ import annotations
+
+import os
+import threading
+from functools import partial
+from pathlib import Path
+
+import anyio
+import pytest
+
+from e2e._bench_ledger import _Floor, _ThreadHop
+
+pytestmark = pytest.mark.anyio
+
+
+async def test_the_thread_hop_runs_the_work_off_the_event_loop_and_waits_for_it() -> None:
+    ran_on: list[int] = []
+    with _ThreadHop() as hop, anyio.fail_after(10):
+        await hop.run(lambda: ran_on.append(threading.get_ident()))
+        assert ran_on and ran_on[0] != threading.get_ident()  # the round trip really happens
+
+        def fail() -> None:
+            raise OSError("disk gone")
+
+        with pytest.raises(OSError, match="disk gone"):
+            await hop.run(fail)
+        await hop.run(lambda: ran_on.append(threading.get_ident()))  # the thread survived
+        assert len(ran_on) == 2
+
+
+async def test_the_floor_via_the_thread_writes_what_the_bare_floor_writes(tmp_path: Path) -> None:
+    bare, via = _Floor(tmp_path / "bare"), _Floor(tmp_path / "via")
+    lines = [b'{"a":1}\n', b'{"a":2}\n']
+    try:
+        bare.record({"k": lines})
+        with _ThreadHop() as hop, anyio.fail_after(10):
+            for index, line in enumerate(lines):
+                await hop.run(partial(via.record_row, "k", line, first=index == 0))
+    finally:
+        bare.close()
+        via.close()
+    names = sorted(os.listdir(tmp_path / "bare"))
+    assert names == ["k.lineage.jsonl"] == sorted(os.listdir(tmp_path / "via"))
+    assert (tmp_path / "via" / names[0]).read_bytes() == b"".join(lines)
+    assert (tmp_path / "bare" / names[0]).read_bytes() == b"".join(lines)

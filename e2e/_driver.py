@@ -87,6 +87,9 @@ class Driver:
         self.evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
         self.state = ControllerState()
         self.in_flight: dict[str, int] = {}
+        # Restored attempts not yet running: every commit names them (their replacement attempt)
+        # until they start, or the commit deletes their restored state (control-plane §5).
+        self.owed: dict[str, int] = {}
         self.done_events: dict[str, anyio.Event] = {}
         self.control = ControlSession(cluster, token)
         self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0))
@@ -116,6 +119,8 @@ class Driver:
     async def run_attempt(self, rollout: str, attempt: int) -> None:
         episode = EpisodeId(rollout_id=rollout, attempt=attempt)
         self.in_flight[rollout] = attempt
+        if self.owed.get(rollout) == attempt:
+            del self.owed[rollout]  # in flight now: the scope names it from in_flight
         self.done_events[rollout] = anyio.Event()
         try:
             await self.log({"event": "dispatch", "rollout": rollout, "attempt": attempt})
@@ -132,6 +137,7 @@ class Driver:
                     continue
                 break
             if reply.status_code != 200 or "result" not in reply.json():
+                failure = reply.json().get("failure") if reply.status_code == 200 else None
                 await self.log(
                     {
                         "event": "run_failed",
@@ -139,6 +145,7 @@ class Driver:
                         "attempt": attempt,
                         "status": reply.status_code,
                         "code": code,
+                        "failure": failure,  # the episode's own failure (a 200 without result)
                     }
                 )
                 return
@@ -187,7 +194,7 @@ class Driver:
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
         directory = self.control.checkpoint_dir(self.root, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
-        scope = dict(self.in_flight.items())
+        scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
         prepared = await self.control.prepare(checkpoint_id, deadline)
         if not prepared.prepared:
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
@@ -230,6 +237,7 @@ class Driver:
                 "event": "checkpoint",
                 "id": checkpoint_id,
                 "dir": str(directory),
+                "scope": [e.capture_key for e in episodes],
                 "continued": [e.capture_key for e in continued],
                 "restarts": sorted(restarts),
                 "generation_cuts": self.last_cuts,
@@ -284,6 +292,7 @@ class Driver:
         for episode in continued:
             if episode.rollout_id in continued_rollouts:
                 plan.append((episode.rollout_id, episode.attempt + 1))
+                self.owed[episode.rollout_id] = episode.attempt + 1
         for episode in to_retire:
             plan.append((episode.rollout_id, episode.attempt + 1))
         return plan

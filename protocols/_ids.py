@@ -20,6 +20,11 @@ SAFE_NAME_PATTERN: Final = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
 _SAFE_NAME = re.compile(SAFE_NAME_PATTERN)
 _ATTEMPT_SUFFIX = re.compile(r"-a([1-9][0-9]*)$")
 MAX_CHECKPOINT_ID_LENGTH: Final = 128
+MAX_ROLLOUT_ID_LENGTH: Final = 200
+"""Longest rollout id: its capture key (``-a<N>`` added) plus a ledger suffix must stay a legal
+file name (255 bytes on every common file system)."""
+MAX_ATTEMPT: Final = 999_999_999
+"""Highest attempt number (nine digits), for the same reason."""
 
 
 def validate_rollout_id(rollout_id: object) -> str:
@@ -40,6 +45,10 @@ def validate_rollout_id(rollout_id: object) -> str:
         raise InvalidRolloutIdError(
             f"invalid rollout id {rollout_id[:200]!r}: use letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
+        )
+    if len(rollout_id) > MAX_ROLLOUT_ID_LENGTH:
+        raise InvalidRolloutIdError(
+            f"invalid rollout id {rollout_id[:40]!r}...: longer than {MAX_ROLLOUT_ID_LENGTH} characters"
         )
     if _ATTEMPT_SUFFIX.search(rollout_id):
         raise InvalidRolloutIdError(
@@ -117,7 +126,7 @@ class EpisodeId(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     rollout_id: RolloutId
-    attempt: int = Field(default=0, ge=0)
+    attempt: int = Field(default=0, ge=0, le=MAX_ATTEMPT)
 
     @property
     def capture_key(self) -> str:
@@ -135,9 +144,13 @@ class EpisodeId(BaseModel):
             raise InvalidRolloutIdError(f"invalid capture key {str(capture_key)[:200]!r}")
         match = _ATTEMPT_SUFFIX.search(capture_key)
         if match is None:
-            return cls(rollout_id=capture_key, attempt=0)
+            return cls(rollout_id=validate_rollout_id(capture_key), attempt=0)
         rollout_id = capture_key[: match.start()]
         validate_rollout_id(rollout_id)
+        if len(match.group(1)) > len(str(MAX_ATTEMPT)):
+            raise InvalidRolloutIdError(
+                f"invalid capture key {capture_key[:200]!r}: attempt too high"
+            )
         return cls(rollout_id=rollout_id, attempt=int(match.group(1)))
 
     def next_attempt(self) -> Self:

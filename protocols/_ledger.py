@@ -43,6 +43,9 @@ POISON_REASONS: Final = frozenset(
 """The failure reasons the policy server writes; ``record_failure`` accepts any non-empty one."""
 
 _LEDGER_KEY = re.compile(r"^[A-Za-z0-9._-]+$")
+MAX_LEDGER_KEY_LENGTH: Final = 224
+"""Longest ledger key: with its longest suffix (``.lineage.started``) a file name stays well under
+255 bytes. Every capture key fits (a rollout id of 200 characters, ``-a`` and nine digits)."""
 
 
 def validate_ledger_key(key: object) -> str:
@@ -56,6 +59,10 @@ def validate_ledger_key(key: object) -> str:
     """
     if not isinstance(key, str):
         raise InvalidRolloutIdError(f"a rollout id must be a string, not {type(key).__name__}")
+    if len(key) > MAX_LEDGER_KEY_LENGTH:
+        raise InvalidRolloutIdError(
+            f"invalid rollout id {key[:40]!r}...: longer than {MAX_LEDGER_KEY_LENGTH} characters"
+        )
     if not _LEDGER_KEY.fullmatch(key) or key.startswith("."):
         raise InvalidRolloutIdError(
             f"invalid rollout id {key[:200]!r}: use ASCII letters, digits, '.', '_' or '-', "

@@ -42,11 +42,13 @@ def test_a_cell_no_process_reaches_is_refused(spec: str) -> None:
         parse_cells(spec)
 
 
-def _matrix(tmp_path: Path, spec: str, *extra: str) -> tuple[int, dict[str, object]]:
+def _matrix(
+    tmp_path: Path, spec: str, *extra: str, timeout: float = 900
+) -> tuple[int, dict[str, object]]:
     completed = subprocess.run(
         [sys.executable, "-m", "e2e", "drill", "--matrix", spec, "--json",
          "--keep-dir", str(tmp_path), "--rollouts", "4", *extra],
-        capture_output=True, text=True, timeout=900, check=False,
+        capture_output=True, text=True, timeout=timeout, check=False,
     )  # fmt: skip
     assert completed.stdout.strip(), completed.stderr[-3000:]
     return completed.returncode, json.loads(completed.stdout.strip().splitlines()[-1])
@@ -82,8 +84,9 @@ def test_latest_before_manifest_turns_the_latest_boundary_cell_red(tmp_path: Pat
 
 @pytest.mark.process
 @pytest.mark.soak
+@pytest.mark.timeout(3600)  # thirty cells, each a short drill with one kill and a restore
 def test_the_full_matrix_is_green(tmp_path: Path) -> None:
-    code, report = _matrix(tmp_path, "full", "--matrix-jobs", "2")
+    code, report = _matrix(tmp_path, "full", "--matrix-jobs", "2", timeout=3000)
     cells = report["cells"]
     assert isinstance(cells, list) and len(cells) == 30
     assert [c for c in cells if not c["ok"]] == []

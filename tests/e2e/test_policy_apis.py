@@ -109,12 +109,13 @@ async def test_an_untagged_call_is_gated_served_and_never_captured(
     assert not list((tmp_path / "ledger").glob("*.lineage.jsonl"))
 
 
+@pytest.mark.parametrize("key", ["bad key!", "k" * 300])  # the second: too long a file name
 @pytest.mark.parametrize("api", APIS)
-async def test_an_invalid_capture_key_is_refused_400_on_every_api(tmp_path: Path, api: str) -> None:
+async def test_an_invalid_capture_key_is_refused_400_on_every_api(
+    tmp_path: Path, api: str, key: str
+) -> None:
     async with policy(tmp_path) as (client, app):
-        refused = await client.post(
-            f"/ng-rollout/bad key!/v1/{api}", json=_body(api, [SYSTEM, FIRST])
-        )
+        refused = await client.post(f"/ng-rollout/{key}/v1/{api}", json=_body(api, [SYSTEM, FIRST]))
         assert not app.state.policy.participant.served
     assert refused.status_code == 400, refused.text
     assert refused.json()["error"]["code"] == "invalid_rollout_id"

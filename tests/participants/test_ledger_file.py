@@ -17,7 +17,7 @@ from participants import (
     LedgerCacheCollector,
     RowCache,
 )
-from protocols import RolloutRemoval, RolloutRetiredError
+from protocols import MAX_LEDGER_KEY_LENGTH, RolloutRemoval, RolloutRetiredError
 
 from .ledger_factory import commit
 
@@ -230,3 +230,11 @@ async def test_the_cache_size_is_a_metric(tmp_path: Path) -> None:
         assert size("ledger_rollouts") == 0 and size("ledger_rows") == 0
     finally:
         ledger.close()
+
+
+async def test_the_longest_key_gets_every_capture_file(ledger: FileCaptureLedger) -> None:
+    key = "k" * MAX_LEDGER_KEY_LENGTH  # each suffix still makes a legal file name
+    await ledger.record(commit(key, 0))
+    assert await ledger.mark_started(key)
+    assert (await ledger.retire([key])).removed == [key]
+    assert (ledger.root / f"{key}.lineage.retired").exists()

@@ -8,11 +8,15 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from protocols import (
+    MAX_ATTEMPT,
+    MAX_LEDGER_KEY_LENGTH,
+    MAX_ROLLOUT_ID_LENGTH,
     EpisodeId,
     InvalidRolloutIdError,
     capture_key,
     sorted_capture_keys,
     validate_checkpoint_id,
+    validate_ledger_key,
     validate_rollout_id,
     validate_rollout_ids,
 )
@@ -78,7 +82,7 @@ rollout_ids = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9._-]{0,30}\Z").filter(
 )
 
 
-@given(rollout_ids, st.integers(min_value=0, max_value=10**9))
+@given(rollout_ids, st.integers(min_value=0, max_value=MAX_ATTEMPT))
 def test_capture_key_round_trips(rollout_id: str, attempt: int) -> None:
     episode = EpisodeId(rollout_id=rollout_id, attempt=attempt)
     assert EpisodeId.from_capture_key(episode.capture_key) == episode
@@ -87,6 +91,26 @@ def test_capture_key_round_trips(rollout_id: str, attempt: int) -> None:
 def test_attempts_are_non_negative() -> None:
     with pytest.raises(ValidationError):
         EpisodeId(rollout_id="r", attempt=-1)
+
+
+def test_ids_and_attempts_are_bounded_so_every_capture_key_is_a_legal_file_name() -> None:
+    longest = "r" * MAX_ROLLOUT_ID_LENGTH
+    assert validate_rollout_id(longest) == longest
+    with pytest.raises(InvalidRolloutIdError, match="longer than"):
+        validate_rollout_id(longest + "r")
+    with pytest.raises(ValidationError):
+        EpisodeId(rollout_id=longest + "r")
+    with pytest.raises(ValidationError):
+        EpisodeId(rollout_id="r", attempt=MAX_ATTEMPT + 1)
+    key = EpisodeId(rollout_id=longest, attempt=MAX_ATTEMPT).capture_key
+    assert len(key) <= MAX_LEDGER_KEY_LENGTH
+    assert validate_ledger_key(key) == key
+    with pytest.raises(InvalidRolloutIdError, match="longer than"):
+        validate_ledger_key("k" * (MAX_LEDGER_KEY_LENGTH + 1))
+    # A capture key too long, or with an attempt too high, is refused as a key, not a 500.
+    for bad in (longest + "r", f"r-a{MAX_ATTEMPT + 1}", "r-a" + "9" * 5000):
+        with pytest.raises(InvalidRolloutIdError):
+            EpisodeId.from_capture_key(bad)
 
 
 def test_episode_ids_are_frozen_and_strict() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import StrEnum
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -47,6 +48,12 @@ def register(serve_app: typer.Typer) -> None:
         verify_delay_ms: Annotated[
             float, typer.Option(min=0.0, help="How long each verify takes (slow variant).")
         ] = 0.0,
+        verify_hold_dir: Annotated[
+            Path | None,
+            typer.Option(
+                help="Test knob: a verify waits until a file named by its capture key is in DIR."
+            ),
+        ] = None,
     ) -> None:
         """The counter resources server (default port 8703)."""
         options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
@@ -55,5 +62,6 @@ def register(serve_app: typer.Typer) -> None:
             mode=mode.value,
             verify=verify.value,
             verify_delay_ms=verify_delay_ms,
+            verify_hold_dir=verify_hold_dir,
         )
         run_server(app, options)

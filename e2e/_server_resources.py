@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Annotated, Any, Final, Literal
 
 import anyio
@@ -166,6 +167,16 @@ def _session_cookie(value: str | None) -> str:
     return value
 
 
+VERIFY_HOLD_SECONDS: Final = 120.0
+"""Longest a held verify waits for its release file (then it goes on: a test never hangs)."""
+
+
+async def _held_until_released(release: Path) -> None:
+    with anyio.move_on_after(VERIFY_HOLD_SECONDS):
+        while not await anyio.Path(release).exists():  # noqa: ASYNC110 - a file from a test
+            await anyio.sleep(0.02)
+
+
 class RequestMetrics:
     """``/metrics`` of the resources routes: requests in progress and finished, per route.
 
@@ -211,6 +222,7 @@ def create_resources_app(
     mode: ResourcesMode = "exported",
     verify: VerifyMode = "wait",
     verify_delay_ms: float = 0.0,
+    verify_hold_dir: Path | None = None,
 ) -> FastAPI:
     """The resources server of ``ctx`` (its name is the participant's instance).
 
@@ -219,6 +231,9 @@ def create_resources_app(
         mode: ``exported`` (the reference deployment), ``stateless`` or ``restart_only``.
         verify: Announced to callers on every seed; ``replay`` verifies are not waited for.
         verify_delay_ms: How long each verify takes (the slow-verify variant).
+        verify_hold_dir: A test knob: each verify waits (at most ``VERIFY_HOLD_SECONDS``) until a
+            file named by its capture key exists in this directory, so a test decides when a
+            verify ends instead of racing a timer.
 
     ``app.state.participant`` and ``app.state.plane`` give tests the participant and its plane.
     """
@@ -288,6 +303,8 @@ def create_resources_app(
         ):
             if verify_delay_ms > 0:
                 await anyio.sleep(verify_delay_ms / 1000)
+            if verify_hold_dir is not None:
+                await _held_until_released(verify_hold_dir / capture_key)
             reward = counters.counters[session_id].reward()
             await participant.end_session(ad)
             return VerifyReply(reward=reward)

@@ -3,18 +3,20 @@
 One deployment per module runs two chains side by side, each a real server process:
 
 - the base chain (environment → agent → resources) whose resources server declares
-  ``verify = wait`` and takes ``WAIT_VERIFY_MS`` per verify;
+  ``verify = wait``;
 - a replay chain (``environment-replay`` → ``agent-replay`` → ``resources-replay``) whose
-  resources server declares ``verify = replay`` and takes ``REPLAY_VERIFY_MS`` per verify;
+  resources server declares ``verify = replay``;
 - a restart-only chain (``environment-restart`` → ``agent-restart``).
 
 All share the policy and worker servers. Each resources server counts its verifies on
 ``/metrics`` (``midflight_resources_requests_total`` and ``…_in_progress``), which is how these
 tests see a verify held by a checkpoint, running through one, or run again after a restore.
 
-The verify of the base chain is also the episode's last step, so these tests show an episode that
-finishes during prepare, without a crash (its result waits for resume) and with one (the restored
-attempt returns the recorded reward without verifying again).
+Both resources servers hold each verify until the test drops a file named by its capture key
+(``--verify-hold-dir``), so a test decides when a verify ends instead of racing a timer on a busy
+machine. The verify of the base chain is also the episode's last step, so these tests show an
+episode that finishes during prepare, without a crash (its result waits for resume) and with one
+(the restored attempt returns the recorded reward without verifying again).
 """
 
 from __future__ import annotations
@@ -45,23 +47,24 @@ from .deployment import (
 
 pytestmark = [pytest.mark.process, pytest.mark.anyio]
 
-WAIT_VERIFY_MS = 1500.0
-"""Long enough that a prepare sent while it runs has to wait for it."""
-REPLAY_VERIFY_MS = 6000.0
-"""Longer than a prepare that waits for the base chain's verify, so it outlives that prepare."""
 REPLAY_CHAIN = ("environment-replay", "agent-replay", "resources-replay")
+HOLD = "verify-hold"
+"""Under the run root: a verify waits until a file named by its capture key appears here."""
 IN_PROGRESS = "midflight_resources_requests_in_progress"
 FINISHED = "midflight_resources_requests_total"
 
 
 @pytest.fixture(scope="module")
 def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]:
+    root = tmp_path_factory.mktemp("steps") / "run"
+    hold = root / HOLD
+    hold.mkdir(parents=True)
     environment, agent, resources = REPLAY_CHAIN
     extra = (
         ExtraServer(
             resources,
             "resources",
-            {"mode": "exported", "verify": "replay", "verify_delay_ms": REPLAY_VERIFY_MS},
+            {"mode": "exported", "verify": "replay", "verify_hold_dir": str(hold)},
         ),
         ExtraServer(agent, "agent", peers={"resources": resources}),
         ExtraServer(environment, "environment", peers={"agent": agent, "resources": resources}),
@@ -69,14 +72,20 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]
         ExtraServer("environment-restart", "environment", peers={"agent": "agent-restart"}),
     )
     started = start_deployment(
-        tmp_path_factory.mktemp("steps") / "run",
-        resources={"mode": "exported", "verify": "wait", "verify_delay_ms": WAIT_VERIFY_MS},
+        root,
+        resources={"mode": "exported", "verify": "wait", "verify_hold_dir": str(hold)},
         extra_servers=extra,
     )
     try:
         yield started
     finally:
         started.kill_all()
+
+
+def release(deployed: Deployment, *keys: str) -> None:
+    """Let the verify of each capture key end (now, or as soon as it starts)."""
+    for key in keys:
+        (deployed.root / HOLD / key).touch()
 
 
 async def verifies(deployed: Deployment, server: str) -> tuple[float, float]:
@@ -113,23 +122,41 @@ async def check_result(deployed: Deployment, reply: httpx.Response, rollout: str
     assert await deployed.tokens(key) == tokens
 
 
-async def start_both(
-    deployed: Deployment, group: Any, waited: str, replayed: str, replies: dict[str, httpx.Response]
+async def prepared_around_a_held_verify(
+    deployed: Deployment,
+    group: Any,
+    checkpoint_id: str,
+    waited: str,
+    replayed: str,
+    replies: dict[str, httpx.Response],
 ) -> None:
-    """Start one rollout per chain and return once both are verifying.
-
-    The replay chain goes first and the base chain starts only once its verify runs, so the
-    base chain's shorter verify starts and ends inside the replay chain's longer one.
-    """
+    """Run one rollout per chain into its held verify, prepare, and let only the waited-for
+    verify end while prepare is open: prepare must wait for it and not for the other."""
 
     async def run(rollout: str, server: str | None) -> None:
         with contextlib.suppress(httpx.TransportError):  # killed with its server (the crash)
             replies[rollout] = await deployed.run(rollout, 0, server)
 
     group.start_soon(run, replayed, REPLAY_CHAIN[0])
-    await until_verifying(deployed, REPLAY_CHAIN[2])
     group.start_soon(run, waited, None)
+    await until_verifying(deployed, REPLAY_CHAIN[2])
     await until_verifying(deployed, "resources")
+    outcome: list[bool] = []
+
+    async def prepare() -> None:
+        outcome.append(
+            (await deployed.control.prepare(checkpoint_id, deployed.deadline())).prepared
+        )
+
+    group.start_soon(prepare)
+    await deployed.until("environment", lambda s: s["phase"] == "preparing", "closes")
+    await anyio.sleep(0.5)
+    assert outcome == []  # a waited-for verify holds prepare
+    release(deployed, waited)
+    with anyio.fail_after(WAIT_SECONDS):
+        while not outcome:  # noqa: ASYNC110 - the task above
+            await anyio.sleep(0.02)
+    assert outcome == [True]
 
 
 async def test_verify_waited_for_and_replayed_side_by_side_without_a_crash(
@@ -140,19 +167,18 @@ async def test_verify_waited_for_and_replayed_side_by_side_without_a_crash(
         before_wait = (await verifies(deployed, "resources"))[1]
         before_replay = (await verifies(deployed, "resources-replay"))[1]
         async with anyio.create_task_group() as group:
-            await start_both(deployed, group, "vw", "vr", replies)
-            assert (await deployed.control.prepare("vv-c1", deployed.deadline())).prepared
+            await prepared_around_a_held_verify(deployed, group, "vv-c1", "vw", "vr", replies)
             # The waited-for verify ended inside prepare; the replayable one still runs.
             assert await verifies(deployed, "resources") == (0, before_wait + 1)
             assert await verifies(deployed, "resources-replay") == (1, before_replay)
             directory = deployed.checkpoint_dir("vv-c1")
-            await deployed.control.commit(
-                "vv-c1", deployed.deadline(), directory, [ep("vw"), ep("vr")]
-            )
+            scope = [ep("vw"), ep("vr")]
+            await deployed.control.commit("vv-c1", deployed.deadline(), directory, scope)
             # The finished episode parked after its last step; the other before its verify.
             assert exported_boundaries(directory) == {"vw": "return", "vr": "verify"}
             assert replies == {}  # the episode that finished during prepare waits for resume
             await deployed.control.resume("vv-c1", deployed.deadline())
+            release(deployed, "vr")
         await check_result(deployed, replies["vw"], "vw", "vw")
         await check_result(deployed, replies["vr"], "vr", "vr")
         # Without a crash neither verify runs twice.
@@ -170,14 +196,14 @@ async def test_verify_waited_for_is_not_redone_and_replayed_runs_again_after_a_c
     scope = [ep("cw"), ep("cr")]
     async with attached(supervisor, TASK) as deployed:
         async with anyio.create_task_group() as group:
-            await start_both(deployed, group, "cw", "cr", replies)
-            assert (await deployed.control.prepare("cv-c1", deployed.deadline())).prepared
+            await prepared_around_a_held_verify(deployed, group, "cv-c1", "cw", "cr", replies)
             directory = deployed.checkpoint_dir("cv-c1")
             await deployed.control.commit("cv-c1", deployed.deadline(), directory, scope)
             assert exported_boundaries(directory) == {"cw": "return", "cr": "verify"}
             await deployed.crash()  # before resume: nothing of attempt 0 was delivered
         assert replies == {}
         assert await verifies(deployed, "resources") == (0, 0)  # fresh processes
+        release(deployed, "cr-a1")  # the re-run verify may end at once
         restored = await deployed.control.restore("cv-r1", deployed.deadline(), directory, scope)
         assert restored == ["cr-a1", "cw-a1"]
         await deployed.control.resume("cv-r1", deployed.deadline())
@@ -204,6 +230,7 @@ async def test_a_restart_only_rollout_runs_through_a_checkpoint_without_a_crash(
 ) -> None:
     async with attached(supervisor, TASK) as deployed:
         replies: dict[str, httpx.Response] = {}
+        release(deployed, "ro")  # its verify is not what this test is about
 
         async def run() -> None:
             replies["ro"] = await deployed.run("ro", 0, "environment-restart")

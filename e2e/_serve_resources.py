@@ -38,6 +38,7 @@ def register(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["resources"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        workers: ServeOptions.Workers = 1,
         mode: Annotated[
             ModeChoice, typer.Option(help="exported (the reference deployment), stateless, …")
         ] = ModeChoice.exported,
@@ -49,7 +50,9 @@ def register(serve_app: typer.Typer) -> None:
         ] = 0.0,
     ) -> None:
         """The counter resources server (default port 8703)."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, workers=workers
+        )
         app = create_resources_app(
             options,
             mode=mode.value,

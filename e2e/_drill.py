@@ -63,7 +63,7 @@ class DrillOptions:
     workers: int = 1
 
 
-MULTI_WORKER_ROLES: Final = ("resources", "agent")
+MULTI_WORKER_ROLES: Final = ("resources", "agent", "environment")
 """The roles ``--workers N`` runs with N worker processes (the others keep one)."""
 
 
@@ -197,7 +197,12 @@ def run_cluster(
         )
     workers = worker_options(options.workers)
     if workers and restart_only:
-        extra = tuple(ExtraServer(e.name, e.role, {**e.options, **workers}, e.peers) for e in extra)
+        extra = tuple(
+            ExtraServer(e.name, e.role, {**e.options, **workers}, e.peers)
+            if e.role in MULTI_WORKER_ROLES
+            else e
+            for e in extra
+        )
     supervisor_options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},

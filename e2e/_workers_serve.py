@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from participants import (
     SOCKET_ENV,
     ControlPlane,
+    Placement,
     WorkerCoordinator,
     WorkerMember,
     listen_private,
@@ -98,7 +99,9 @@ async def _coordinate(
     shared: socket.socket,
     privates: list[socket.socket],
 ) -> None:
-    coordinator = WorkerCoordinator(kind, instance, expected=ctx.workers)
+    # An environment episode lives inside one /run, which may land on any worker (D188).
+    placement: Placement = "claim" if kind == "environment" else "slot"
+    coordinator = WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
     plane = ControlPlane(coordinator, settings=control_settings())
     path = private_socket_path(instance)
     listener = await listen_private(path)

@@ -103,7 +103,7 @@ from ._worker_channel import (
     private_socket_path,
 )
 from ._worker_member import REPORT_POLL_SECONDS, WorkerMember
-from ._workers import WorkerCoordinator, WorkerState, slot_of
+from ._workers import Placement, WorkerCoordinator, WorkerState, slot_of
 
 __all__ = [
     "CAPTURE_FILE_SUFFIXES",
@@ -163,6 +163,7 @@ __all__ = [
     "ModelTicket",
     "Participant",
     "ParticipantCheckpoint",
+    "Placement",
     "Record",
     "RecordsWriter",
     "ResourcesAdmission",

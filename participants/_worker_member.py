@@ -51,6 +51,7 @@ class WorkerMember:
         slot: The worker's slot (which rollouts it owns).
         socket_path: The coordinator's Unix socket.
         on_coordinator_lost: What to do when the channel closes unasked; SIGTERM to self.
+        pid: How the coordinator names this worker; the process id unless a test sets it.
     """
 
     def __init__(
@@ -60,10 +61,12 @@ class WorkerMember:
         slot: int,
         socket_path: Path | str,
         on_coordinator_lost: Callable[[], None] = _default_on_lost,
+        pid: int | None = None,
     ) -> None:
         self.plane = plane
         self.participant = plane.participant
         self.slot = slot
+        self.pid = os.getpid() if pid is None else pid
         self.socket_path = socket_path
         self.on_coordinator_lost = on_coordinator_lost
         self.generation = 0
@@ -72,6 +75,9 @@ class WorkerMember:
         self._exported: list[Record] = []
         self._stopping = False
         self._channel: Channel | None = None
+        if hasattr(self.participant, "claim_restored"):
+            # Restored state that lives inside one request: the first worker to use it claims it.
+            self.participant.claim_restored = self.claim
 
     @property
     def channel(self) -> Channel:
@@ -89,7 +95,7 @@ class WorkerMember:
             group.start_soon(self._serve, channel)
             reply = await channel.request(
                 "register",
-                {"pid": os.getpid(), "slot": self.slot},
+                {"pid": self.pid, "slot": self.slot},
                 within=MESSAGE_TIMEOUT_SECONDS,
             )
             await self._adopt(reply)
@@ -105,14 +111,14 @@ class WorkerMember:
                     contextlib.suppress(MidflightError),
                 ):
                     await channel.request(
-                        "stopping", {"pid": os.getpid()}, within=STOPPING_TIMEOUT_SECONDS
+                        "stopping", {"pid": self.pid}, within=STOPPING_TIMEOUT_SECONDS
                     )
                 group.cancel_scope.cancel()
 
     async def _serve(self, channel: Channel) -> None:
         await channel.serve(self._handle)
         if not self._stopping:
-            _log.warning("worker.coordinator_lost", pid=os.getpid(), slot=self.slot)
+            _log.warning("worker.coordinator_lost", pid=self.pid, slot=self.slot)
             self.on_coordinator_lost()
 
     async def _adopt(self, reply: dict[str, Any]) -> None:
@@ -221,6 +227,13 @@ class WorkerMember:
         if kind == "metrics":
             return generate_latest(self.plane.telemetry.registry).decode()
         raise InvalidRequestError(f"unknown message kind {kind!r}")
+
+    async def claim(self, capture_key: str) -> bool:
+        """Ask the coordinator for the restored state of ``capture_key``; whether it is ours."""
+        reply = await self.channel.request(
+            "claim", {"capture_key": capture_key}, within=MESSAGE_TIMEOUT_SECONDS
+        )
+        return bool(reply)
 
     # ----------------------------------------------------------------- control relay
 

@@ -13,7 +13,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import structlog
@@ -23,6 +23,7 @@ from pydantic import BaseModel, ValidationError
 
 from protocols import (
     MAX_REPORTED_BLOCKERS,
+    AdmissionClosedError,
     CheckpointError,
     CheckpointRequest,
     CommitRequest,
@@ -53,6 +54,12 @@ CONTROL_BODIES: Final[dict[str, type[BaseModel] | None]] = {
     "forget": ForgetRequest,
 }
 """Control operations a worker may relay, and the body each one takes."""
+
+
+Placement = Literal["slot", "claim"]
+"""Where restored records go: ``slot`` — on the worker of the rollout's slot (state that spans
+requests); ``claim`` — on every worker, used by the first that claims it (state inside one
+request, such as an environment episode whose replacement ``/run`` lands on any worker)."""
 
 
 def slot_of(rollout_id: str, workers: int) -> int:
@@ -91,7 +98,14 @@ class WorkerCoordinator(BaseParticipant):
         expected: How many workers the server runs.
     """
 
-    def __init__(self, kind: ParticipantKind, instance: str, *, expected: int) -> None:
+    def __init__(
+        self,
+        kind: ParticipantKind,
+        instance: str,
+        *,
+        expected: int,
+        placement: Placement = "slot",
+    ) -> None:
         super().__init__()
         if expected < 1:
             raise ValueError("a server needs at least one worker")
@@ -103,6 +117,8 @@ class WorkerCoordinator(BaseParticipant):
         self.closed_request: CheckpointRequest | None = None
         self.lost_while_closed: list[int] = []
         self.lost_since_start = 0
+        self.placement = placement
+        self.claimed: set[str] = set()
         self._manifest: dict[str, Any] | None = None
 
     # ----------------------------------------------------------------- connections
@@ -131,6 +147,8 @@ class WorkerCoordinator(BaseParticipant):
             if kind == "stopping":
                 worker.stopping = True
                 return None
+            if kind == "claim":
+                return await self._claim(worker, str(body["capture_key"]))
             if kind == "control":
                 return await relay_control(plane, body)
             if kind == "metrics":
@@ -297,7 +315,13 @@ class WorkerCoordinator(BaseParticipant):
         self._require_every_worker("export")
         scope = None if episode_ids is None else [e.model_dump(mode="json") for e in episode_ids]
         replies = await self._fan_out("export", {"scope": scope})
-        return [record for pid in sorted(replies) for record in replies[pid]]
+        records: dict[str, Record] = {}
+        for pid in sorted(replies):
+            for record in replies[pid]:
+                # Unclaimed restored records are held by every worker: carry each one once.
+                key = json.dumps(record.get("episode_id"), sort_keys=True)
+                records.setdefault(key, record)
+        return list(records.values())
 
     def served_live_work(self) -> bool:
         """Any worker served, or one was lost since start (what it held is unknown)."""
@@ -327,11 +351,28 @@ class WorkerCoordinator(BaseParticipant):
             by_slot[slot_of(episode.rollout_id, self.expected)][1].append(
                 episode.model_dump(mode="json")
             )
+        self.claimed = set()
         async with anyio.create_task_group() as group:
             for worker in list(self.workers.values()):
                 share, share_scope = by_slot[worker.slot]
+                if self.placement == "claim":
+                    share = list(records)
+                    share_scope = [e.model_dump(mode="json") for e in scope]
                 body = {"records": share, "scope": share_scope, "manifest": self._manifest}
                 group.start_soon(self._install_one, worker, body)
+
+    async def _claim(self, worker: WorkerState, capture_key: str) -> bool:
+        """The first claim of a restored key wins; the other workers drop their copy."""
+        if self.closed_request is not None:
+            raise AdmissionClosedError("a checkpoint is open; claim restored state after resume")
+        if capture_key in self.claimed:
+            return False
+        self.claimed.add(capture_key)
+        others = [w for w in self.workers.values() if w is not worker]
+        episode = EpisodeId.from_capture_key(capture_key).model_dump(mode="json")
+        await self._fan_out("delete_restored", episode, to=others)
+        _log.info("worker.claimed", participant=self.instance, pid=worker.pid, key=capture_key)
+        return True
 
     async def _install_one(self, worker: WorkerState, body: dict[str, Any]) -> None:
         await worker.channel.request("install", body, within=MESSAGE_TIMEOUT_SECONDS * 4)

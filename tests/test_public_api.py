@@ -70,7 +70,7 @@ PUBLIC = {
         "EnvironmentPeers", "EnvironmentRecord", "EpisodeOutcome", "EpisodeSteps",
         "FileCaptureLedger", "FileTokenStagingStore", "GenerationCutTelemetry", "Job",
         "KillPoint", "LedgerCacheCollector", "ManualClock", "MemoryCaptureLedger",
-        "ModelParticipant", "ModelTicket", "Participant", "ParticipantCheckpoint", "Record",
+        "ModelParticipant", "ModelTicket", "Participant", "ParticipantCheckpoint", "Placement", "Record",
         "RecordsWriter", "ResourcesAdmission", "ResourcesMode", "ResourcesParticipant",
         "ResourcesRoute", "ResourcesSession", "ResourcesSessionHooks",
         "RestartOnlyAgentParticipant", "RestoredAgentSession", "RetireMarks",

@@ -82,7 +82,7 @@ class Server:
 
 async def wait_for(condition: object, within: float = 10.0) -> None:
     with anyio.fail_after(within):
-        while not condition():  # type: ignore[operator]
+        while not condition():  # type: ignore[operator]  # noqa: ASYNC110 - polls another task's state
             await anyio.sleep(0.01)
 
 

@@ -148,7 +148,7 @@ def test_the_drill_with_two_workers_per_server_is_green(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
             *(sys.executable, "-m", "e2e", "drill", "--json", "--keep-dir", str(tmp_path)),
-            *("--rollouts", "3", "--checkpoints", "2", "--crashes", "2", "--concurrency", "3"),
+            *("--rollouts", "2", "--checkpoints", "3", "--crashes", "2", "--concurrency", "2"),
             *("--restart-only-share", "0", "--workers", "2"),
         ],
         capture_output=True,

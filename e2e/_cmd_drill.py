@@ -71,6 +71,12 @@ def register(app: typer.Typer) -> None:
                 help="Share of the rollouts run through a restart-only agent (0 for none).",
             ),
         ] = 0.2,
+        workers: Annotated[
+            int,
+            typer.Option(
+                min=1, max=16, help="Worker processes per server (each still one participant)."
+            ),
+        ] = 1,
         keep_dir: Annotated[
             Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
         ] = None,
@@ -144,6 +150,7 @@ def register(app: typer.Typer) -> None:
             verify=verify,
             resources_mode=resources_mode,
             restart_only_share=restart_only_share,
+            workers=workers,
         )
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
         if sequences:

@@ -55,6 +55,15 @@ class ServeOptions:
         Path | None,
         typer.Option("--root", help="Run root; default: the cluster file's, else ./midflight-run."),
     ]
+    Workers = Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            min=1,
+            max=64,
+            help="Worker processes behind one port; still one participant (1: one process).",
+        ),
+    ]
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class ServeContext:
     cluster: Cluster
     control_token: str | None
     capture_token: str | None
+    workers: int = 1
 
     def peer_url(self, role: Role) -> str:
         """The URL of the peer of ``role`` (from the cluster file, else its default port)."""
@@ -74,7 +84,7 @@ class ServeContext:
 
 
 def serve_options_from(
-    *, name: str, port: int, cluster: Path | None, root: Path | None
+    *, name: str, port: int, cluster: Path | None, root: Path | None, workers: int = 1
 ) -> ServeContext:
     """Resolve the shared options of ``serve <role>``."""
     parsed = read_cluster(cluster) if cluster is not None else None
@@ -88,6 +98,7 @@ def serve_options_from(
         cluster=parsed if parsed is not None else default_cluster(run_root),
         control_token=control,
         capture_token=capture,
+        workers=workers,
     )
 
 
@@ -142,6 +153,14 @@ def run_server(app: Any, options: ServeContext | int) -> None:
     """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
+    if isinstance(options, ServeContext) and options.workers > 1:
+        from ._workers_serve import is_worker_process, run_coordinator, run_worker
+
+        if is_worker_process():
+            run_worker(app, options)
+        else:
+            run_coordinator(app, options)
+        return
     sock = bind_listening_socket(port)
     with sock:
         bound = sock.getsockname()[1]

@@ -60,6 +60,16 @@ class DrillOptions:
     verify: str = "wait"
     resources_mode: str = "exported"
     restart_only_share: float = 0.2
+    workers: int = 1
+
+
+MULTI_WORKER_ROLES: Final = ("resources", "agent", "environment")
+"""The roles ``--workers N`` runs with N worker processes (the others keep one)."""
+
+
+def worker_options(workers: int) -> dict[str, Any]:
+    """The role option that asks for ``workers`` processes; none for the single-process path."""
+    return {"workers": workers} if workers > 1 else {}
 
 
 def restart_only_rollouts(rollouts: list[str], share: float) -> list[str]:
@@ -185,10 +195,19 @@ def run_cluster(
             ExtraServer(RESTART_AGENT, "agent", {"restart_only": True}),
             ExtraServer(RESTART_ENVIRONMENT, "environment", peers={"agent": RESTART_AGENT}),
         )
+    workers = worker_options(options.workers)
+    if workers and restart_only:
+        extra = tuple(
+            ExtraServer(e.name, e.role, {**e.options, **workers}, e.peers)
+            if e.role in MULTI_WORKER_ROLES
+            else e
+            for e in extra
+        )
     supervisor_options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
-            "resources": {"mode": options.resources_mode, "verify": options.verify},
+            "resources": {"mode": options.resources_mode, "verify": options.verify, **workers},
+            **{role: dict(workers) for role in MULTI_WORKER_ROLES if role != "resources"},
         },
         env=env,
         extra_servers=extra,

@@ -22,6 +22,7 @@ def register(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["agent"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        workers: ServeOptions.Workers = 1,
         restart_only: Annotated[
             bool,
             typer.Option(
@@ -31,5 +32,7 @@ def register(serve_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """The agent server (default port 8704): sessions driven by the environment."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, workers=workers
+        )
         run_server(create_agent_app(options, restart_only=restart_only), options)

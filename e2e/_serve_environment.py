@@ -24,6 +24,7 @@ def register(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        workers: ServeOptions.Workers = 1,
         episode_seconds: Annotated[
             float,
             typer.Option(
@@ -33,6 +34,8 @@ def register(serve_app: typer.Typer) -> None:
         ] = DEFAULT_EPISODE_SECONDS,
     ) -> None:
         """The environment server (default port 8705): episodes via the agent and resources."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, workers=workers
+        )
         app = create_environment_app(options, episode_seconds=episode_seconds)
         run_server(app, options)

@@ -24,6 +24,7 @@ def register(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        workers: ServeOptions.Workers = 1,
         worker_url: Annotated[
             str | None,
             typer.Option(help="The inference worker's URL; default: the cluster's worker."),
@@ -33,7 +34,9 @@ def register(serve_app: typer.Typer) -> None:
         ] = 900.0,
     ) -> None:
         """The policy server: chat completions captured into <root>/ledger (default port 8702)."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, workers=workers
+        )
         app = create_model_app(
             options, worker_url=worker_url, admission_wait_seconds=admission_wait_s
         )

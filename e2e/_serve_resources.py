@@ -39,6 +39,7 @@ def register(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["resources"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        workers: ServeOptions.Workers = 1,
         mode: Annotated[
             ModeChoice, typer.Option(help="exported (the reference deployment), stateless, …")
         ] = ModeChoice.exported,
@@ -56,7 +57,9 @@ def register(serve_app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """The counter resources server (default port 8703)."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, workers=workers
+        )
         app = create_resources_app(
             options,
             mode=mode.value,

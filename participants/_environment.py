@@ -13,7 +13,7 @@ checkpoint holds the episode; an episode that runs out of it fails with ``deadli
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -90,6 +90,8 @@ class EnvironmentParticipant(BaseParticipant):
         self.steps = EpisodeSteps(self.changes)
         self.digests: dict[str, str] = {}
         self.restored: dict[str, EnvironmentRecord] = {}
+        self.claim_restored: Callable[[str], Awaitable[bool]] | None = None
+        """Set by a worker of a several-worker server: asks the coordinator for a restored key."""
         self.awaiting_resume = False
         self.served = False
         self._task_group: TaskGroup | None = None
@@ -116,6 +118,7 @@ class EnvironmentParticipant(BaseParticipant):
                 the resume that follows its restore has happened).
             CheckpointError: The restored record was taken for another task, or the key runs.
         """
+        await self._claim(episode_id.capture_key)
         episode, continued = self._begin(episode_id, task)
         outcome: list[EpisodeOutcome] = []
         if self._task_group is None:
@@ -125,6 +128,15 @@ class EnvironmentParticipant(BaseParticipant):
         if not outcome:
             raise StaleAttemptError(f"{episode_id.capture_key} was retired while running")
         return outcome[0]
+
+    async def _claim(self, key: str) -> None:
+        """With several workers, every one holds the restored records: one claim wins each."""
+        if self.claim_restored is None or key not in self.restored:
+            return
+        if not await self.claim_restored(key):
+            self.restored.pop(key, None)
+            self.changes.notify()
+            raise CheckpointError(f"{key}: another worker claimed its restored state first")
 
     def _begin(
         self, episode_id: EpisodeId, task: dict[str, Any]

@@ -41,9 +41,12 @@ from ._bench_common import (
 
 SIZES: Final = (100, 1000, 4000)
 SOAK_SIZE: Final = 16_000
-PARKED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=2000.0)
-"""Slow generations (a token every 2 s): every rollout keeps a model call in flight while the
-bench runs, so a checkpoint always finds N calls to cut and N episodes to park."""
+PARKED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=20_000.0)
+"""Slow generations (a token every 20 s): every rollout keeps a model call in flight while the
+bench runs, so a checkpoint always finds N calls to cut and N episodes to park. In one process
+each token wakes the whole in-process call chain (environment → agent → model → worker, about
+0.8 ms on the development VM), so a faster pace would bill the parked calls' decoding to the
+checkpoint it runs beside."""
 DEADLINE_SECONDS: Final = 240.0
 DISPATCH_BATCH: Final = 200
 """Rollouts dispatched before the dispatcher yields (keeps the event loop responsive)."""
@@ -125,14 +128,16 @@ def checkpoint_bytes(cluster: InProcessCluster, directory: Path) -> dict[str, by
 
 
 async def park(cluster: InProcessCluster, rollouts: int, group: Any, within_s: float) -> None:
-    """Dispatch ``rollouts`` rollouts in ``group`` and wait until each has a model call in flight."""
+    """Dispatch ``rollouts`` rollouts in ``group`` and wait until each one's model call is
+    generating on the worker (an admitted call still resolving its ledger would otherwise do its
+    dispatch work inside the measured checkpoint)."""
     for index in range(rollouts):
         group.start_soon(cluster.run, f"r{index:06d}")
         if index % DISPATCH_BATCH == DISPATCH_BATCH - 1:
             await anyio.lowlevel.checkpoint()
     await wait_for(
-        lambda: cluster.model_calls_in_flight() >= rollouts,
-        f"{rollouts} model calls in flight",
+        lambda: cluster.generations_running() >= rollouts,
+        f"{rollouts} generations running",
         within_s,
     )
 

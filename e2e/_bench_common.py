@@ -15,6 +15,7 @@ import logging
 import os
 import secrets
 import statistics
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -213,6 +214,10 @@ class InProcessCluster:
         """Calls the policy server has admitted and not yet delivered."""
         return len(self.apps["model"].state.policy.participant.gate.tickets)
 
+    def generations_running(self) -> int:
+        """Calls the worker is generating: admitted by the model, resolved, logged and sent."""
+        return len(self.apps["worker"].state.engine.live)
+
     async def run(self, rollout: str, attempt: int = 0) -> dict[str, Any]:
         """``POST /run`` until admitted (a closed admission is retried); the reply body."""
         assert self.http is not None, "use `async with cluster.running()`"
@@ -246,7 +251,10 @@ def quiet_logs() -> None:
 
     A served process writes them to its own log file; here they would interleave with ``--json``.
     """
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+    structlog.configure(
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )
 
 
 def files_under(directory: Path) -> list[Path]:

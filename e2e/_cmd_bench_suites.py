@@ -20,6 +20,8 @@ from ._bench_checkpoint import SIZES, SOAK_SIZE, run_checkpoint_bench
 from ._bench_common import quiet_logs
 from ._bench_output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from ._bench_overhead import run_overhead_bench
+from ._bench_restore import run_restore_bench
+from ._bench_scale import LADDER, run_scale_bench
 from ._output import JsonOption, console, emit
 
 DirOption = Annotated[
@@ -185,5 +187,92 @@ def add_suite_commands(bench: typer.Typer) -> None:
                 [("mode", "mode"), ("per_s", "rollouts / s"), ("pct", "throughput lost %")],
             )
             console.print(f"floor: {payload['floor']}; {payload['checkpoints']} checkpoints taken")
+
+        emit(payload, as_json=as_json, render=render)
+
+    @bench.command("restore")
+    def restore_command(
+        sizes: Annotated[
+            str | None,
+            typer.Option(help="Comma-separated rollouts in flight, one row each (100,1000,4000)."),
+        ] = None,
+        repeats: Annotated[int, typer.Option(min=1, help="Crash-restore cycles per size.")] = 1,
+        directory: DirOption = None,
+        out: OutOption = None,
+        profile: ProfileOption = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Restore time against records size and rollout count, beside reading and writing the
+        same bytes."""
+        chosen = _sizes(sizes, SIZES, False)
+        payload = _run(
+            "restore",
+            lambda scratch, profiler: run_restore_bench(
+                scratch, sizes=chosen, repeats=repeats, profiler=profiler
+            ),
+            directory=directory,
+            out=out,
+            profile=profile,
+        )
+
+        def render() -> None:
+            _table(
+                f"restore: median of {repeats}; {payload['parking']}",
+                payload["rows"],
+                [
+                    ("rollouts", "rollouts"),
+                    ("restored", "restored"),
+                    ("records_bytes", "records bytes"),
+                    ("restore_s", "restore s"),
+                    ("floor_s", "floor s"),
+                    ("ratio", "ratio"),
+                ],
+            )
+            console.print(f"floor: {payload['floor']}")
+
+        emit(payload, as_json=as_json, render=render)
+
+    @bench.command("scale")
+    def scale_command(
+        ladder: Annotated[
+            str | None,
+            typer.Option(help="Comma-separated sizes to climb (1000,4000,16000,50000)."),
+        ] = None,
+        budget: Annotated[
+            float, typer.Option(min=1.0, help="Wall seconds allowed for the whole climb.")
+        ] = 3600.0,
+        directory: DirOption = None,
+        out: OutOption = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """The most rollouts in flight carried through checkpoint, crash and restore, none lost."""
+        chosen = _sizes(ladder, LADDER, False)
+        payload = _run(
+            "scale",
+            lambda scratch, _profiler: run_scale_bench(scratch, ladder=chosen, budget_s=budget),
+            directory=directory,
+            out=out,
+            profile=None,
+        )
+
+        def render() -> None:
+            _table(
+                f"scale: {payload['parking']}",
+                payload["rungs"],
+                [
+                    ("rollouts", "rollouts"),
+                    ("parked", "parked"),
+                    ("restored", "restored"),
+                    ("finished", "finished"),
+                    ("lost", "lost"),
+                    ("pause_s", "pause s"),
+                    ("restore_s", "restore s"),
+                    ("wall_s", "wall s"),
+                    ("peak_rss_mb", "peak RSS MB"),
+                ],
+            )
+            console.print(
+                f"largest clean: {payload['largest_clean']}; limited by: {payload['limited_by']}"
+            )
 
         emit(payload, as_json=as_json, render=render)

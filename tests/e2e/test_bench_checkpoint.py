@@ -42,7 +42,7 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
         ],
     )
     assert result.exit_code == 0, result.output
-    payload = json.loads(result.output)
+    payload = json.loads(result.stdout)
     assert "in-process" in payload["parking"] and "fsync" in payload["floor"]
     assert [row["rollouts"] for row in payload["rows"]] == [2, 4]
     for row in payload["rows"]:

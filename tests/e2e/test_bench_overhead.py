@@ -32,7 +32,7 @@ def test_bench_overhead_reports_each_mode_against_the_disabled_floor(tmp_path: P
         ],
     )
     assert result.exit_code == 0, result.output
-    payload = json.loads(result.output)
+    payload = json.loads(result.stdout)
     for name in ("disabled_per_s", "idle_per_s", "periodic_per_s"):
         assert payload[name] > 0
     for name in ("idle_overhead_pct", "periodic_overhead_pct"):

@@ -5,7 +5,8 @@ For each size a fresh :class:`~e2e._bench_common.InProcessCluster` gets N rollou
 the bench waits until every one has a model call generating (the worker is slow on purpose, so the
 calls stay in flight). Then it takes ``repeats`` checkpoints the way ``coordinator.checkpoint``
 does — prepare, commit, publish, resume — and after each one writes the same bytes (every file
-of that checkpoint, ``LATEST`` included) with one fsync per file: the floor. Ours and the floor
+of that checkpoint, ``LATEST`` included, and every record the worker staged for the generation
+cuts) with one fsync per file: the floor. Ours and the floor
 alternate, so both see the same disk.
 
 - ``pause_s``: prepare sent → resume returned, the time admission stays closed;
@@ -160,11 +161,22 @@ async def measure_size(
         await park(cluster, rollouts, group, within_s=max(120.0, rollouts * 0.05))
         setup_s = time.perf_counter() - started
         episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
+        staging = cluster.root / "staging"
         for repeat in range(repeats):
+            # Untimed: each call generates past its last cut first, so every checkpoint of the
+            # row cuts (and stages) every call, as checkpoints minutes apart would.
+            await wait_for(
+                cluster.every_generation_grew, "a new token on every call", within_s=120.0
+            )
+            staged_before = set(staging.iterdir())
             with (profiler or nullcontext)():
                 sample = await take_checkpoint(cluster, f"bench-{rollouts}-{repeat}", episodes)
             written = checkpoint_bytes(cluster, sample["directory"])
+            # The generation cuts' durable prefixes are bytes this checkpoint wrote too.
+            cut_files = [path for path in staging.iterdir() if path not in staged_before]
+            written.update({str(path): path.read_bytes() for path in cut_files})
             files, size = len(written), sum(len(data) for data in written.values())
+            sample["cut_files"] = len(cut_files)
             floors.append(write_floor(written, root / "floor" / str(repeat)))
             samples.append(sample)
         group.cancel_scope.cancel()  # the parked rollouts end with the bench
@@ -184,6 +196,7 @@ async def measure_size(
         "resume_s": median([s["resume_s"] for s in samples]),
         "pause_samples_s": [round(s["pause_s"], 6) for s in samples],
         "files": files,
+        "cut_files": [s["cut_files"] for s in samples],
         "bytes": size,
         "setup_s": round(setup_s, 3),
     }
@@ -225,7 +238,8 @@ def run_checkpoint_bench(
     return {
         "suite": "checkpoint",
         "parking": PARKING,
-        "floor": "the same bytes (every file of the checkpoint and LATEST), one fsync per file",
+        "floor": "the same bytes (every file of the checkpoint, LATEST and the staged generation "
+        "cut records), one fsync per file",
         "repeats": repeats,
         "rows": rows,
     }

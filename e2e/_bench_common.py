@@ -214,6 +214,13 @@ class InProcessCluster:
         """Calls the policy server has admitted and not yet delivered."""
         return len(self.apps["model"].state.policy.participant.gate.tickets)
 
+    def every_generation_grew(self) -> bool:
+        """Whether every running generation has tokens its last cut did not stage."""
+        return all(
+            len(live.generated) > live.staged_count
+            for live in self.apps["worker"].state.engine.live.values()
+        )
+
     def generations_running(self) -> int:
         """Calls the worker is generating: admitted by the model, resolved, logged and sent."""
         return len(self.apps["worker"].state.engine.live)

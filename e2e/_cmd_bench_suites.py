@@ -10,13 +10,14 @@ from __future__ import annotations
 import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.table import Table
 
-from ._bench_checkpoint import SIZES, SOAK_SIZE, run_checkpoint_bench
+from ._bench_checkpoint import PARKED_WORKLOAD, SIZES, SOAK_SIZE, run_checkpoint_bench
 from ._bench_common import quiet_logs
 from ._bench_output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from ._bench_overhead import run_overhead_bench
@@ -99,6 +100,10 @@ def add_suite_commands(bench: typer.Typer) -> None:
             bool, typer.Option("--soak", help=f"Add the {SOAK_SIZE:,}-rollout row (minutes).")
         ] = False,
         repeats: Annotated[int, typer.Option(min=1, help="Checkpoints per size (median).")] = 3,
+        token_delay_ms: Annotated[
+            float,
+            typer.Option(min=1.0, help="The parked generations' pace (each repeat waits a token)."),
+        ] = PARKED_WORKLOAD.token_delay_ms,
         directory: DirOption = None,
         out: OutOption = None,
         profile: ProfileOption = None,
@@ -106,10 +111,11 @@ def add_suite_commands(bench: typer.Typer) -> None:
     ) -> None:
         """Checkpoint pause and control-plane overhead against writing the same bytes."""
         chosen = _sizes(sizes, SIZES, soak)
+        workload = replace(PARKED_WORKLOAD, token_delay_ms=token_delay_ms)
         payload = _run(
             "checkpoint",
             lambda scratch, profiler: run_checkpoint_bench(
-                scratch, sizes=chosen, repeats=repeats, profiler=profiler
+                scratch, sizes=chosen, repeats=repeats, workload=workload, profiler=profiler
             ),
             directory=directory,
             out=out,

@@ -33,7 +33,9 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
             "--sizes",
             "2,4",
             "--repeats",
-            "1",
+            "2",
+            "--token-delay-ms",
+            "100",
             "--json",
             "--dir",
             str(scratch),
@@ -50,6 +52,9 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
         assert row["parked"] == row["rollouts"]  # nothing finished or went missing
         assert row["floor_s"] > 0 and row["ratio"] > 0
         assert row["pause_s"] >= row["overhead_s"] > 0
+        # Every repeat cut every parked generation, and the floor wrote those records too.
+        assert row["cut_files"] == [row["rollouts"]] * 2
+        assert row["files"] == 10 + row["rollouts"]
     assert json.loads((out / "checkpoint.json").read_text())["rows"] == payload["rows"]
     assert (out / "checkpoint.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert list(scratch.iterdir()) == []  # the scratch directory is removed

@@ -17,8 +17,8 @@ import secrets
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -253,15 +253,24 @@ async def wait_for(predicate: Callable[[], bool], what: str, within_s: float) ->
     raise TimeoutError(f"{what} did not happen within {within_s:g} s")
 
 
-def quiet_logs() -> None:
-    """Keep the servers' per-operation log lines (warnings and errors pass) off the bench's stdout.
+@contextmanager
+def quiet_logs() -> Iterator[None]:
+    """Keep the servers' per-operation log lines off the bench's stdout while the block runs.
 
     A served process writes them to its own log file; here they would interleave with ``--json``.
+    Warnings and errors still go to stderr. The previous configuration comes back afterwards, so
+    a bench run inside a longer-lived process (a test session) leaves its logging alone.
     """
+    saved = structlog.get_config()
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        cache_logger_on_first_use=False,
     )
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
 
 
 def files_under(directory: Path) -> list[Path]:

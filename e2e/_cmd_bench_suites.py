@@ -64,9 +64,11 @@ def _run(
     profile: Path | None,
 ) -> dict[str, Any]:
     """Measure in a scratch directory, with an optional profile; write ``--out`` files."""
-    quiet_logs()
     profiler = Profile(profile) if profile is not None else None
-    with tempfile.TemporaryDirectory(prefix=f"midflight-bench-{suite}-", dir=directory) as scratch:
+    with (
+        quiet_logs(),
+        tempfile.TemporaryDirectory(prefix=f"midflight-bench-{suite}-", dir=directory) as scratch,
+    ):
         payload = measure(Path(scratch), profiler.section if profiler else None)
     if profiler is not None:
         payload["profile"] = [str(path) for path in profiler.write()]

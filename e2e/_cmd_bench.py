@@ -10,6 +10,7 @@ import typer
 from rich.table import Table
 
 from ._bench_ledger import run_ledger_bench
+from ._cmd_bench_suites import add_suite_commands
 from ._output import JsonOption, console, emit
 
 
@@ -17,6 +18,7 @@ def register(app: typer.Typer) -> None:
     """Add the ``bench`` group and its suites to the app."""
     bench = typer.Typer(help="Benchmarks: each figure beside its floor, and the ratio.")
     app.add_typer(bench, name="bench")
+    add_suite_commands(bench)
 
     @bench.command("ledger")
     def ledger_command(

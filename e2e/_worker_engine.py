@@ -319,14 +319,17 @@ class WorkerEngine:
             return self._terminal_ack(checkpoint_id, prefix)
         if live.capture_key != prefix.capture_key:
             return GenerationCutPrefixAck.failure(prefix)
+        snapshot: StagedCallRecord | None = None
         async with live.cut_lock:
             count = len(live.generated)  # decoding goes on past this point; the cut stops here
             if not live.staged or count > live.staged_count:
                 sequence = live.last_sequence + 1
                 live.last_sequence = sequence
                 key = generation_cut_staging_key(live.call.model_call_id, sequence)
-                record = await anyio.to_thread.run_sync(
-                    self._stage_cut, live, key, count, abandon_on_cancel=True
+                # One hop to a worker thread per cut, not two: with thousands of calls cut at
+                # once, the hops queue behind the thread limiter (bench checkpoint's profile).
+                record, snapshot = await anyio.to_thread.run_sync(
+                    self._stage_cut_and_snapshot, live, key, count, abandon_on_cancel=True
                 )
                 # Reached only if the record is durable within the deadline: seal it.
                 live.staged.append(record)
@@ -338,7 +341,8 @@ class WorkerEngine:
             keys = list(live.staged_keys)
             sealed_count = live.staged_count
             sequence = live.sealed_sequence
-        snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
+        if snapshot is None:  # nothing new to stage: the snapshot of what is sealed already
+            snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
         return GenerationCutPrefixAck(
             **prefix.model_dump(),
             disposition="durable_prefix",
@@ -349,6 +353,14 @@ class WorkerEngine:
             prefix_digest=snapshot.digest,
             effective_output_limit=live.max_tokens,
         )
+
+    def _stage_cut_and_snapshot(
+        self, live: _LiveCall, key: str, count: int
+    ) -> tuple[StagedCallRecord, StagedCallRecord]:
+        """Stage the next cut record (blocking), then join the call's records with it (the
+        cut lock is held, so ``live.staged`` cannot change in between)."""
+        record = self._stage_cut(live, key, count)
+        return record, rebuild_generation_cut([*live.staged, record])
 
     def _stage_cut(self, live: _LiveCall, key: str, count: int) -> StagedCallRecord:
         """Build and durably stage the next cut record of a live call (blocking)."""

@@ -1,0 +1,81 @@
+"""Where a benchmark's results go besides stdout: ``--out DIR`` files, the plot, the profile."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+PLOT_FILE = "checkpoint.png"
+
+
+def write_json(out: Path, suite: str, payload: dict[str, Any]) -> Path:
+    """``<out>/<suite>.json``: the same object ``--json`` prints."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{suite}.json"
+    path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
+    return path
+
+
+def plot_checkpoint(rows: list[dict[str, Any]], path: Path) -> Path:
+    """A PNG of checkpoint time against rollouts in flight: pause, overhead and floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display on a server; the Agg backend only writes files
+    import matplotlib.pyplot as plt
+
+    ordered = sorted(rows, key=lambda row: row["rollouts"])
+    counts = [row["rollouts"] for row in ordered]
+    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for field, label, style in (
+        ("pause_s", "admission closed (prepare → resume)", "o-"),
+        ("overhead_s", "control-plane overhead (no boundary wait)", "s--"),
+        ("floor_s", "floor: same bytes, one fsync per file", "^:"),
+    ):
+        axes.plot(counts, [row[field] for row in ordered], style, label=label)
+    axes.axhline(1.0, color="grey", linewidth=0.8, linestyle="-.", label="goal: 1 s at 4,000")
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("rollouts in flight (parked at the checkpoint)")
+    axes.set_ylabel("seconds (median)")
+    axes.set_title("midflight bench checkpoint")
+    axes.grid(True, which="both", linewidth=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path)
+    plt.close(figure)
+    return path
+
+
+class Profile:
+    """A pyinstrument profile over the timed sections only (``--profile PATH``).
+
+    Writes ``PATH`` as HTML and ``PATH`` with ``.txt`` as the text tree.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from pyinstrument import Profiler
+
+        self.path = path
+        # Every server runs on the bench's one event loop, so one thread's samples see them all.
+        self.profiler = Profiler(interval=0.001, async_mode="disabled")
+
+    @contextmanager
+    def section(self) -> Iterator[None]:
+        """Sample while the block runs (sections accumulate into one session)."""
+        self.profiler.start()
+        try:
+            yield
+        finally:
+            self.profiler.stop()
+
+    def write(self) -> list[Path]:
+        """Write the HTML and text renderings; their paths."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(self.profiler.output_html())
+        text = self.path.with_suffix(".txt")
+        text.write_text(self.profiler.output_text(unicode=True, show_all=False))
+        return [self.path, text]

@@ -1,0 +1,60 @@
+"""``midflight bench checkpoint`` at a tiny size: the JSON shape, the floor, the plot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from e2e import build_app
+from e2e._bench_checkpoint import boundary_wait
+
+runner = CliRunner()
+ROW_FIELDS = {"rollouts", "pause_s", "overhead_s", "floor_s", "ratio"}
+
+
+def test_boundary_wait_adds_the_longest_wait_of_each_stage() -> None:
+    kinds = {"env": "environment", "policy": "model", "a1": "agent", "a2": "agent"}
+    waits = {"env": 0.5, "policy": 0.25, "a1": 1.0, "a2": 2.0}
+    # Stages run one after another; the members of a stage wait at the same time.
+    assert boundary_wait(waits, kinds) == 0.5 + 0.25 + 2.0
+
+
+def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    result = runner.invoke(
+        build_app(),
+        [
+            "bench",
+            "checkpoint",
+            "--sizes",
+            "2,4",
+            "--repeats",
+            "2",
+            "--token-delay-ms",
+            "100",
+            "--json",
+            "--dir",
+            str(scratch),
+            "--out",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    assert "in-process" in payload["parking"] and "fsync" in payload["floor"]
+    assert [row["rollouts"] for row in payload["rows"]] == [2, 4]
+    for row in payload["rows"]:
+        assert set(row) >= ROW_FIELDS
+        assert row["parked"] == row["rollouts"]  # nothing finished or went missing
+        assert row["floor_s"] > 0 and row["ratio"] > 0
+        assert row["pause_s"] >= row["overhead_s"] > 0
+        # Every repeat cut every parked generation, and the floor wrote those records too.
+        assert row["cut_files"] == [row["rollouts"]] * 2
+        assert row["files"] == 10 + row["rollouts"]
+    assert json.loads((out / "checkpoint.json").read_text())["rows"] == payload["rows"]
+    assert (out / "checkpoint.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert list(scratch.iterdir()) == []  # the scratch directory is removed

@@ -1,0 +1,48 @@
+"""``midflight bench restore`` at a tiny size, and the crash-restore cycle it shares with scale."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from e2e import build_app
+from e2e._bench_restore import crash_restore_cycle, read_and_write_floor
+
+runner = CliRunner()
+
+
+def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: Path) -> None:
+    result = runner.invoke(
+        build_app(),
+        ["bench", "restore", "--sizes", "3", "--json", "--dir", str(tmp_path)],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    (row,) = payload["rows"]
+    assert row["rollouts"] == row["parked"] == row["restored"] == 3
+    assert row["records_bytes"] > 0 and row["checkpoint_bytes"] >= row["records_bytes"]
+    assert row["restore_s"] > 0 and row["floor_s"] > 0 and row["ratio"] > 0
+    assert "read every file" in payload["floor"]
+
+
+@pytest.mark.anyio
+async def test_every_restored_rollout_finishes_after_the_crash(tmp_path: Path) -> None:
+    row = await crash_restore_cycle(tmp_path, 4, finish=True)
+    assert (row["parked"], row["restored"], row["finished"], row["lost"]) == (4, 4, 4, 0)
+    # The fresh cluster continued the rollouts as attempt 1: the ledger holds their rows.
+    ledger = {path.name for path in (tmp_path / "run" / "ledger").iterdir()}
+    assert {f"r{i:06d}-a1.lineage.jsonl" for i in range(4)} <= ledger
+
+
+def test_the_restore_floor_reads_and_writes_every_byte(tmp_path: Path) -> None:
+    source = tmp_path / "checkpoint"
+    (source / "gym").mkdir(parents=True)
+    (source / "gym" / "records-x.jsonl").write_bytes(b"a" * 1000)
+    (source / "checkpoint.json").write_bytes(b"{}")
+    seconds, files, size = read_and_write_floor(source, tmp_path / "floor")
+    assert (files, size) == (2, 1002) and seconds > 0
+    written = sorted(p.read_bytes() for p in (tmp_path / "floor").iterdir())
+    assert written == [b"a" * 1000, b"{}"]

@@ -68,8 +68,14 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Supervisor]
         ),
         ExtraServer(agent, "agent", peers={"resources": resources}),
         ExtraServer(environment, "environment", peers={"agent": agent, "resources": resources}),
-        ExtraServer("agent-restart", "agent", {"restart_only": True}),
-        ExtraServer("environment-restart", "environment", peers={"agent": "agent-restart"}),
+        # The restart-only chain verifies on the replay server, so a held verify keeps its episode
+        # live without holding any checkpoint.
+        ExtraServer("agent-restart", "agent", {"restart_only": True}, {"resources": resources}),
+        ExtraServer(
+            "environment-restart",
+            "environment",
+            peers={"agent": "agent-restart", "resources": resources},
+        ),
     )
     started = start_deployment(
         root,
@@ -230,14 +236,14 @@ async def test_a_restart_only_rollout_runs_through_a_checkpoint_without_a_crash(
 ) -> None:
     async with attached(supervisor, TASK) as deployed:
         replies: dict[str, httpx.Response] = {}
-        release(deployed, "ro")  # its verify is not what this test is about
 
         async def run() -> None:
             replies["ro"] = await deployed.run("ro", 0, "environment-restart")
 
         async with anyio.create_task_group() as group:
             group.start_soon(run)
-            await deployed.model_in_flight()
+            # Held in its (replayable) verify: live until released, holding nothing.
+            await until_verifying(deployed, REPLAY_CHAIN[2])
             prepared = await deployed.control.prepare("ro-c1", deployed.deadline())
             # It never holds the checkpoint, and it is reported as a restart, not exported.
             assert prepared.prepared
@@ -246,6 +252,7 @@ async def test_a_restart_only_rollout_runs_through_a_checkpoint_without_a_crash(
             await deployed.control.commit("ro-c1", deployed.deadline(), directory, [])
             assert "ro" not in exported_boundaries(directory)
             await deployed.control.resume("ro-c1", deployed.deadline())
+            release(deployed, "ro")
         # With no crash it simply goes on: one result, and no model call made twice.
         await check_result(deployed, replies["ro"], "ro", "ro")
         egress = deployed.egress()

@@ -130,6 +130,9 @@ def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_who
     for pid in workers:  # SIGKILL of the group left no worker behind
         _wait(lambda pid=pid: not _running(pid), f"worker {pid} to die")
     with socket.socket() as probe:
+        # As a new server binds it (uvicorn sets SO_REUSEADDR): connections the kill left in
+        # TIME_WAIT do not count, a process still listening does.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         probe.bind(("127.0.0.1", port))  # nobody holds the port any more
 
 

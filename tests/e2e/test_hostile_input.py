@@ -52,6 +52,7 @@ def test_no_reply_to_generated_input_is_a_5xx_or_outside_its_schema(
 
 
 @pytest.mark.soak
+@pytest.mark.timeout(1800)  # 150 cases per operation: the policy server alone has dozens of them
 @pytest.mark.parametrize("authenticated", [True, False], ids=["token", "no-token"])
 @pytest.mark.parametrize("role", ROLES)
 def test_many_generated_requests_soak(role: Role, authenticated: bool, tmp_path: Path) -> None:

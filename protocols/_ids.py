@@ -23,8 +23,10 @@ MAX_CHECKPOINT_ID_LENGTH: Final = 128
 MAX_ROLLOUT_ID_LENGTH: Final = 200
 """Longest rollout id: its capture key (``-a<N>`` added) plus a ledger suffix must stay a legal
 file name (255 bytes on every common file system)."""
-MAX_ATTEMPT: Final = 999_999_999
-"""Highest attempt number (nine digits), for the same reason."""
+MAX_ATTEMPT: Final = 9_999
+"""Highest attempt number. Retiring attempt N fences every attempt 0..N of its rollout (a late
+write of any of them must stay refused), so N bounds the work of one retire as well as the
+length of a capture key."""
 
 
 def validate_rollout_id(rollout_id: object) -> str:

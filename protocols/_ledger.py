@@ -45,7 +45,7 @@ POISON_REASONS: Final = frozenset(
 _LEDGER_KEY = re.compile(r"^[A-Za-z0-9._-]+$")
 MAX_LEDGER_KEY_LENGTH: Final = 224
 """Longest ledger key: with its longest suffix (``.lineage.started``) a file name stays well under
-255 bytes. Every capture key fits (a rollout id of 200 characters, ``-a`` and nine digits)."""
+255 bytes. Every capture key fits (a rollout id of 200 characters, ``-a`` and four digits)."""
 
 
 def validate_ledger_key(key: object) -> str:

@@ -156,6 +156,27 @@ class Figures:
         return reasons
 
 
+def straggler_reruns(driver: list[dict[str, Any]]) -> set[str]:
+    """Capture keys of attempts the controller ran from input after retiring a straggler.
+
+    A prepare blocked by an attempt makes the controller retire it and dispatch the next attempt,
+    which starts over from its input: its model calls repeat the retired attempt's by design, so
+    they are not the repeats the drill hunts (a continued rollout calling the model again).
+    """
+    blocked: set[str] = set()
+    reruns: set[str] = set()
+    for event in driver:
+        if event.get("event") == "prepare_blocked":
+            blocked.update(event.get("blockers", []))
+        elif event.get("event") == "dispatch" and event["attempt"] > 0:
+            before = EpisodeId(rollout_id=event["rollout"], attempt=event["attempt"] - 1)
+            if before.capture_key in blocked:
+                reruns.add(
+                    EpisodeId(rollout_id=event["rollout"], attempt=event["attempt"]).capture_key
+                )
+    return reruns
+
+
 def compute_figures(
     run_root: Path, baseline: Mapping[str, RolloutOutcome], *, rollouts: int
 ) -> Figures:
@@ -172,9 +193,12 @@ def compute_figures(
     redone = 0
     restores = [e for e in driver if e.get("event") == "restore"]
     crashes = [e for e in driver if e.get("event") == "crash"]
+    reruns = straggler_reruns(driver)
     for restore in restores:
         delivered = _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
         for event in executions:
+            if event["capture_key"] in reruns:
+                continue  # run again from its input on purpose: its calls repeat by design
             rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
             if event["t"] > restore["t"] and (rollout, event["request_digest"]) in delivered:
                 repeated.add((rollout, event["request_digest"], event["t"]))

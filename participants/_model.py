@@ -96,6 +96,7 @@ class ModelParticipant(BaseParticipant):
         # restored cuts, and a call claims its own before continuing it.
         self.claim_cut: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
         self.return_cut: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
+        self.restored_cut_keys: set[str] = set()  # target keys whose cut the coordinator holds
 
     # -- data plane -----------------------------------------------------------------------
 
@@ -282,8 +283,8 @@ class ModelParticipant(BaseParticipant):
         if ticket.restart_reason is not None or ticket.request_digest is None:
             return
         key = ticket.episode.capture_key
-        if key in self.restored_cuts.records:
-            return  # claimed earlier by this worker and not consumed yet
+        if key not in self.restored_cut_keys or key in self.restored_cuts.records:
+            return  # no cut was restored for it, or this worker holds it already
         record = await self.claim_cut(key, ticket.request_digest)
         if record is not None:
             self.restored_cuts.records[key] = GenerationCutRecord.model_validate(record)
@@ -347,6 +348,7 @@ class ModelParticipant(BaseParticipant):
             await self._import_ledgers(ledgers)
             await self._retire_ledgers(list(scope))
         self.restored_targets = {str(key) for key in options["targets"]}
+        self.restored_cut_keys = {str(key) for key in options["cut_keys"]}
         self.restored_cuts.records = {}
         self.changes.notify()
 

@@ -148,7 +148,11 @@ class ModelCoordinator(WorkerCoordinator):
                 "records": list(records) if importer else [],
                 "scope": scope_json if importer else [],
                 "manifest": self._manifest,
-                "options": {"import": importer, "targets": sorted(targets)},
+                "options": {
+                    "import": importer,
+                    "targets": sorted(targets),
+                    "cut_keys": sorted(cuts),  # only these calls ask the coordinator for a cut
+                },
             }
 
         within = MESSAGE_TIMEOUT_SECONDS * 4

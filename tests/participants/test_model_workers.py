@@ -145,7 +145,11 @@ async def test_a_restored_cut_is_claimed_by_exactly_one_worker_and_returned_when
         assert loser.take_restored_cut(other) is not None
         loser.release(other)
         await loser.return_unused_cut(other)
+        late = await a.admit(TARGET)  # not on an inference worker yet: no live cut of its own
+        late.request_digest = DIGEST
         await made.coordinator.close_admission(_close())
+        await a.prefetch_restored_cut(late)  # while a checkpoint is open no cut moves
+        assert a.take_restored_cut(late) is None
         (carried,) = await made.coordinator.export([TARGET])
     assert carried["generation_cuts"] == record["generation_cuts"]
 

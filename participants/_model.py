@@ -38,7 +38,7 @@ from ._model_cuts import (
     run_cut_round,
 )
 from ._model_gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
-from ._model_records import attempt_keys_through, checked_restore
+from ._model_records import attempt_keys_through, checked_restore, model_commit_reply
 from ._participant import BaseParticipant, Record
 from ._report import build_report
 from ._telemetry import GenerationCutTelemetry
@@ -223,27 +223,9 @@ class ModelParticipant(BaseParticipant):
         return records
 
     def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
-        """Rows to keep staged and the episodes whose record carries a generation cut.
-
-        ``staging_keys`` (sorted union), ``staging_keys_by_episode`` and
-        ``generation_cut_episodes`` (sorted capture keys; D155).
-        """
-        by_episode: dict[str, list[str]] = {}
-        with_cut: list[str] = []
-        for record in records:
-            key = EpisodeId.model_validate(record["episode_id"]).capture_key
-            keys = {str(r["staging_key"]) for r in record["rows"] if r.get("staging_key")}
-            for cut in record["generation_cuts"]:  # the staged prefix must outlive the commit
-                keys.update(str(k) for k in cut["continuation"]["staging_keys"])
-            if record["generation_cuts"]:
-                with_cut.append(key)
-            by_episode[key] = sorted(keys)
-        union = sorted({k for keys in by_episode.values() for k in keys})
-        return {
-            "staging_keys": union,
-            "staging_keys_by_episode": by_episode,
-            "generation_cut_episodes": sorted(with_cut),
-        }
+        """Rows to keep staged and the episodes whose record carries a cut (see
+        :func:`model_commit_reply`)."""
+        return model_commit_reply(records)
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
         """Import every scoped episode's rows under its next attempt; retire attempts 0..N.

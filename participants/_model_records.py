@@ -94,3 +94,27 @@ def _checked_record(
             f"model record {index} holds a malformed generation cut"
         ) from None
     return source, cut
+
+
+def model_commit_reply(records: Sequence[Record]) -> dict[str, Any]:
+    """Rows to keep staged and the episodes whose record carries a generation cut.
+
+    ``staging_keys`` (sorted union), ``staging_keys_by_episode`` and ``generation_cut_episodes``
+    (sorted capture keys; D155).
+    """
+    by_episode: dict[str, list[str]] = {}
+    with_cut: list[str] = []
+    for record in records:
+        key = EpisodeId.model_validate(record["episode_id"]).capture_key
+        keys = {str(r["staging_key"]) for r in record["rows"] if r.get("staging_key")}
+        for cut in record["generation_cuts"]:  # the staged prefix must outlive the commit
+            keys.update(str(k) for k in cut["continuation"]["staging_keys"])
+        if record["generation_cuts"]:
+            with_cut.append(key)
+        by_episode[key] = sorted(keys)
+    union = sorted({k for keys in by_episode.values() for k in keys})
+    return {
+        "staging_keys": union,
+        "staging_keys_by_episode": by_episode,
+        "generation_cut_episodes": sorted(with_cut),
+    }

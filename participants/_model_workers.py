@@ -25,7 +25,7 @@ import structlog
 
 from protocols import CheckpointError, EpisodeId, GenerationCutRecord
 
-from ._model_records import checked_restore
+from ._model_records import checked_restore, model_commit_reply
 from ._participant import Record
 from ._worker_channel import MESSAGE_TIMEOUT_SECONDS
 from ._workers import WorkerCoordinator, WorkerState, slot_of
@@ -127,6 +127,10 @@ class ModelCoordinator(WorkerCoordinator):
         replies = await self._fan_out("export", {"scope": scope})
         shares = [replies[pid] for pid in sorted(replies)]
         return merge_model_shares(episode_ids, shares, self.cuts)
+
+    def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
+        """The model's reply fields (staging keys, episodes with a cut), as in one process."""
+        return model_commit_reply(records)
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
         """Check every record, import the ledger on one worker, then arm every worker.

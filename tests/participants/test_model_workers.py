@@ -112,6 +112,11 @@ async def test_undelivered_calls_of_any_worker_are_left_out_and_the_live_cut_kep
     assert [row["model_call_id"] for row in record["rows"]] == [delivered.model_call_id]
     (cut,) = record["generation_cuts"]
     assert cut["model_call_id"] == held.model_call_id
+    reply = made.coordinator.commit_reply([record])
+    assert reply["generation_cut_episodes"] == ["r1"]
+    assert reply["staging_keys"] == sorted(
+        [f"stage/r1/{delivered.model_call_id}", *cut["continuation"]["staging_keys"]]
+    )
 
 
 async def _cut_record() -> dict[str, Any]:

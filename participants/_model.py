@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry
 
 from protocols import (
     MAX_LEDGER_BATCH,
+    AdmissionClosedError,
     CaptureLedger,
     CheckpointError,
     CheckpointRequest,
@@ -42,6 +43,10 @@ from ._model_records import attempt_keys_through, checked_restore, model_commit_
 from ._participant import BaseParticipant, Record
 from ._report import build_report
 from ._telemetry import GenerationCutTelemetry
+
+CLAIM_RETRY_SECONDS: Final = 0.05
+"""Pause before claiming a restored cut again while the coordinator is closed but not yet this
+worker."""
 
 MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledger-import"})
 """Fault switches the model participant knows (``midflight drill --fault``)."""
@@ -267,7 +272,20 @@ class ModelParticipant(BaseParticipant):
         key = ticket.episode.capture_key
         if key not in self.restored_cut_keys or key in self.restored_cuts.records:
             return  # no cut was restored for it, or this worker holds it already
-        record = await self.claim_cut(key, ticket.request_digest)
+        record = None
+        # Bounded like a waiting admission; on timeout the call regenerates, never fails.
+        with anyio.move_on_after(self.gate.admission_wait_seconds):
+            while True:
+                try:
+                    record = await self.claim_cut(key, ticket.request_digest)
+                    break
+                except AdmissionClosedError:
+                    # A checkpoint is open: no cut moves until resume (the export carries it),
+                    # so wait like a new call; the coordinator may close before this worker does.
+                    if self.gate.accepting:
+                        await anyio.sleep(CLAIM_RETRY_SECONDS)
+                    else:
+                        await self.gate.wait_open()
         if record is not None:
             self.restored_cuts.records[key] = GenerationCutRecord.model_validate(record)
 

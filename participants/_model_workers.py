@@ -23,7 +23,7 @@ from typing import Any
 import anyio
 import structlog
 
-from protocols import CheckpointError, EpisodeId, GenerationCutRecord
+from protocols import AdmissionClosedError, CheckpointError, EpisodeId, GenerationCutRecord
 
 from ._model_records import checked_restore, model_commit_reply
 from ._participant import Record
@@ -91,9 +91,9 @@ class ModelCoordinator(WorkerCoordinator):
 
     def _claim_cut(self, worker: WorkerState, key: str, digest: str) -> dict[str, Any] | None:
         # While a checkpoint is open the export reads self.cuts: a cut moving to a worker then
-        # could be in neither share. The call regenerates instead, and the cut stays carried.
+        # could be in neither share. The call waits for resume instead, and the cut is carried.
         if self.closed_request is not None:
-            return None
+            raise AdmissionClosedError("a checkpoint is open; claim the restored cut after resume")
         record = self.cuts.get(key)
         if record is None or record.get("request_digest") != digest:
             return None  # another request of the attempt never continues the cut

@@ -153,9 +153,13 @@ async def test_a_restored_cut_is_claimed_by_exactly_one_worker_and_returned_when
         late = await a.admit(TARGET)  # not on an inference worker yet: no live cut of its own
         late.request_digest = DIGEST
         await made.coordinator.close_admission(_close())
-        await a.prefetch_restored_cut(late)  # while a checkpoint is open no cut moves
-        assert a.take_restored_cut(late) is None
-        (carried,) = await made.coordinator.export([TARGET])
+        async with anyio.create_task_group() as group:
+            group.start_soon(a.prefetch_restored_cut, late)  # waits: no cut moves while closed
+            await anyio.sleep(0.2)  # let the claim reach the coordinator (no time is asserted)
+            assert TARGET.capture_key not in a.restored_cuts.records
+            (carried,) = await made.coordinator.export([TARGET])
+            await made.coordinator.open_admission()
+        assert a.take_restored_cut(late) is not None  # after resume the waiting call claims it
     assert carried["generation_cuts"] == record["generation_cuts"]
 
 

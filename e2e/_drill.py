@@ -63,7 +63,7 @@ class DrillOptions:
     workers: int = 1
 
 
-MULTI_WORKER_ROLES: Final = ("resources", "agent", "environment")
+MULTI_WORKER_ROLES: Final = ("model", "resources", "agent", "environment")
 """The roles ``--workers N`` runs with N worker processes (the others keep one)."""
 
 

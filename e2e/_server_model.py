@@ -17,6 +17,7 @@ cut's continuation with its admission and the worker generates only the remainde
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import time
@@ -56,6 +57,7 @@ from protocols import (
     EpisodeId,
     InvalidRequestError,
     LineageResolution,
+    MidflightError,
     StaleAttemptError,
     conversation_digest,
     decode,
@@ -235,6 +237,10 @@ class PolicyServer:
         finally:
             if not handed_over:
                 self.participant.release(ticket)
+                # A cut claimed from the coordinator that no response used goes back to it;
+                # the channel's own timeout bounds this, even for a cancelled call.
+                with anyio.CancelScope(shield=True), contextlib.suppress(MidflightError):
+                    await self.participant.return_unused_cut(ticket)
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 
     async def _generate(
@@ -249,7 +255,10 @@ class PolicyServer:
             await self.ledger.record_failure(key, ticket.model_call_id, "unresolved_parent")
         ticket.backend = self.worker_url
         self.participant.changes.notify()  # the call is now one a cut round would list
-        restored = self.participant.take_restored_cut(ticket) if admission is not None else None
+        restored = None
+        if admission is not None:
+            await self.participant.prefetch_restored_cut(ticket)  # several workers: claim it
+            restored = self.participant.take_restored_cut(ticket)
         if admission is not None and restored is not None:
             continued = admission.model_copy(update={"generation_cut": restored.continuation})
             cuts = self.participant.cut_telemetry

@@ -33,6 +33,7 @@ from fastapi import FastAPI
 from participants import (
     SOCKET_ENV,
     ControlPlane,
+    ModelCoordinator,
     Placement,
     WorkerCoordinator,
     WorkerMember,
@@ -101,7 +102,12 @@ async def _coordinate(
 ) -> None:
     # An environment episode lives inside one /run, which may land on any worker (D196).
     placement: Placement = "claim" if kind == "environment" else "slot"
-    coordinator = WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
+    coordinator = (
+        # The model's undelivered calls, restored cuts and ledger import need their own rules.
+        ModelCoordinator(instance, expected=ctx.workers)
+        if kind == "model"
+        else WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
+    )
     plane = ControlPlane(coordinator, settings=control_settings())
     path = private_socket_path(instance)
     listener = await listen_private(path)

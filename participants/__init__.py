@@ -57,6 +57,7 @@ from ._marks import RetireMarks
 from ._model import MODEL_FAULTS, ModelParticipant
 from ._model_cuts import CutRequester, generation_cut_restart_reason
 from ._model_gate import ModelTicket
+from ._model_workers import ModelCoordinator
 from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._report import build_report
 from ._resources import ResourcesParticipant
@@ -159,6 +160,7 @@ __all__ = [
     "LedgerCacheCollector",
     "ManualClock",
     "MemoryCaptureLedger",
+    "ModelCoordinator",
     "ModelParticipant",
     "ModelTicket",
     "Participant",

@@ -11,7 +11,7 @@ ledgers of the attempts it continues, so a late row of the crashed attempt can n
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Final
 
 import anyio.to_thread
@@ -19,49 +19,34 @@ from prometheus_client import CollectorRegistry
 
 from protocols import (
     MAX_LEDGER_BATCH,
+    AdmissionClosedError,
     CaptureLedger,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
     GenerationCutRecord,
-    InvalidCheckpointStateError,
     ParticipantKind,
     PrepareReport,
     StaleAttemptError,
-    capture_key,
 )
 
 from ._clock import Clock, SystemClock
-from ._model_cuts import CutRequester, RestoredCuts, latest_cuts, run_cut_round
+from ._model_cuts import (
+    CutRequester,
+    RestoredCuts,
+    latest_cut_tickets,
+    latest_cuts,
+    run_cut_round,
+)
 from ._model_gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
+from ._model_records import attempt_keys_through, checked_restore, model_commit_reply
 from ._participant import BaseParticipant, Record
 from ._report import build_report
 from ._telemetry import GenerationCutTelemetry
 
-MODEL_RECORD_FIELDS: Final = frozenset({"episode_id", "rows", "generation_cuts"})
-
-
-def stamp_carried_rows(
-    source: EpisodeId, rows: Sequence[Mapping[str, Any]]
-) -> list[dict[str, Any]]:
-    """Rows as the next attempt's ledger holds them: every custody row names where it was staged.
-
-    A row that already carries a ``capture_key`` (a chain of restores) keeps its original stamp;
-    failure rows have no staging key and stay as they are.
-    """
-    stamped = []
-    for row in rows:
-        copy = dict(row)
-        if copy.get("staging_key") and not copy.get("capture_key"):
-            copy["capture_key"] = source.capture_key
-        stamped.append(copy)
-    return stamped
-
-
-def attempt_keys_through(episode: EpisodeId) -> list[str]:
-    """Capture keys of attempts ``0..episode.attempt`` of the rollout."""
-    return [capture_key(episode.rollout_id, n) for n in range(episode.attempt + 1)]
-
+CLAIM_RETRY_SECONDS: Final = 0.05
+"""Pause before claiming a restored cut again while the coordinator is closed but not yet this
+worker."""
 
 MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledger-import"})
 """Fault switches the model participant knows (``midflight drill --fault``)."""
@@ -112,6 +97,11 @@ class ModelParticipant(BaseParticipant):
         self.cut_counts: dict[str, int] = {}
         self.cut_telemetry = GenerationCutTelemetry(instance, registry)
         self.served = False
+        # Set by a WorkerMember when this is one worker of several: the coordinator holds the
+        # restored cuts, and a call claims its own before continuing it.
+        self.claim_cut: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
+        self.return_cut: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
+        self.restored_cut_keys: set[str] = set()  # target keys whose cut the coordinator holds
 
     # -- data plane -----------------------------------------------------------------------
 
@@ -238,27 +228,9 @@ class ModelParticipant(BaseParticipant):
         return records
 
     def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
-        """Rows to keep staged and the episodes whose record carries a generation cut.
-
-        ``staging_keys`` (sorted union), ``staging_keys_by_episode`` and
-        ``generation_cut_episodes`` (sorted capture keys; D155).
-        """
-        by_episode: dict[str, list[str]] = {}
-        with_cut: list[str] = []
-        for record in records:
-            key = EpisodeId.model_validate(record["episode_id"]).capture_key
-            keys = {str(r["staging_key"]) for r in record["rows"] if r.get("staging_key")}
-            for cut in record["generation_cuts"]:  # the staged prefix must outlive the commit
-                keys.update(str(k) for k in cut["continuation"]["staging_keys"])
-            if record["generation_cuts"]:
-                with_cut.append(key)
-            by_episode[key] = sorted(keys)
-        union = sorted({k for keys in by_episode.values() for k in keys})
-        return {
-            "staging_keys": union,
-            "staging_keys_by_episode": by_episode,
-            "generation_cut_episodes": sorted(with_cut),
-        }
+        """Rows to keep staged and the episodes whose record carries a cut (see
+        :func:`model_commit_reply`)."""
+        return model_commit_reply(records)
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
         """Import every scoped episode's rows under its next attempt; retire attempts 0..N.
@@ -271,28 +243,113 @@ class ModelParticipant(BaseParticipant):
             raise CheckpointError(
                 "a model restore needs a freshly started server; this one has served calls"
             )
-        wanted = {episode.capture_key: episode for episode in scope}
-        # Every scoped episode gets a ledger, empty if it has no record, so that what a dead
-        # execution wrote under its next attempt is cleared.
-        ledgers: dict[str, list[dict[str, Any]]] = {
-            episode.next_attempt().capture_key: [] for episode in scope
-        }
-        cuts: dict[str, GenerationCutRecord] = {}
-        for index, record in enumerate(records):  # every record is checked before any change
-            source, cut = _checked_record(record, index, wanted)
-            target = source.next_attempt().capture_key
-            ledgers[target] = stamp_carried_rows(source, record["rows"])
-            if cut is not None:
-                cuts[target] = cut
+        ledgers, cuts = checked_restore(records, scope)  # the whole batch before any change
+        await self._import_ledgers(ledgers)
+        self.restored_targets = set(ledgers)
+        self.restored_cuts.records = cuts
+        await self._retire_ledgers(list(scope))
+        self.changes.notify()
+
+    async def _import_ledgers(self, ledgers: dict[str, list[dict[str, Any]]]) -> None:
         if "skip-ledger-import" in self.faults:
             ledgers = {key: [] for key in ledgers}
         try:
             await anyio.to_thread.run_sync(self.ledger.import_rows_many, ledgers)
         except ValueError as exc:
             raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
-        self.restored_targets = set(ledgers)
-        self.restored_cuts.records = cuts
-        await self._retire_ledgers(list(scope))
+
+    # -- one worker of several (the coordinator is participants._model_workers) -----------
+
+    async def prefetch_restored_cut(self, ticket: ModelTicket) -> None:
+        """Claim from the coordinator the restored cut this call's request continues, if any.
+
+        Exactly one worker gets a cut: the coordinator hands it to the first matching claim.
+        """
+        if self.claim_cut is None or ticket.episode is None or "ignore-cuts" in self.faults:
+            return
+        if ticket.restart_reason is not None or ticket.request_digest is None:
+            return
+        key = ticket.episode.capture_key
+        if key not in self.restored_cut_keys or key in self.restored_cuts.records:
+            return  # no cut was restored for it, or this worker holds it already
+        record = None
+        # Bounded like a waiting admission; on timeout the call regenerates, never fails.
+        with anyio.move_on_after(self.gate.admission_wait_seconds):
+            while True:
+                try:
+                    record = await self.claim_cut(key, ticket.request_digest)
+                    break
+                except AdmissionClosedError:
+                    # A checkpoint is open: no cut moves until resume (the export carries it),
+                    # so wait like a new call; the coordinator may close before this worker does.
+                    if self.gate.accepting:
+                        await anyio.sleep(CLAIM_RETRY_SECONDS)
+                    else:
+                        await self.gate.wait_open()
+        if record is not None:
+            self.restored_cuts.records[key] = GenerationCutRecord.model_validate(record)
+
+    async def return_unused_cut(self, ticket: ModelTicket) -> None:
+        """Give a claimed cut back when the call left without a response (not when retired)."""
+        if self.return_cut is None or ticket.episode is None or ticket.response_started:
+            return
+        key = ticket.episode.capture_key
+        record = self.restored_cuts.records.get(key)
+        if record is None or record is not ticket.claimed_cut:
+            return  # never claimed here, or dropped by a retire meanwhile
+        del self.restored_cuts.records[key]
+        self.changes.notify()
+        await self.return_cut(key, record.model_dump(mode="json"))
+
+    async def export_share(self, episode_ids: Sequence[EpisodeId] | None) -> dict[str, Any]:
+        """This worker's share of a commit: rows, undelivered call ids, cuts with admission time.
+
+        Every worker reads the one ledger directory, so a row of a call held on another worker
+        is in this share too: the coordinator leaves out the union of undelivered ids.
+
+        Raises:
+            CheckpointError: No scope was given.
+        """
+        if episode_ids is None:
+            raise CheckpointError(
+                "a model commit needs the episode_ids the controller continues from this checkpoint"
+            )
+        undelivered = set() if "export-undelivered" in self.faults else self.gate.undelivered()
+        live = latest_cut_tickets(self.gate.tickets.values())
+        episodes: dict[str, dict[str, Any]] = {}
+        for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
+            key = episode.capture_key
+            rows = await anyio.to_thread.run_sync(self.ledger.export_rows, key)
+            ticket = live.get(key)
+            cut = ticket.cut_record if ticket is not None else self.restored_cuts.records.get(key)
+            episodes[key] = {
+                "rows": [row for row in rows if row.get("model_call_id") not in undelivered],
+                "cut": None if cut is None else cut.model_dump(mode="json"),
+                "cut_admitted_at": None if ticket is None else ticket.admitted_at,
+            }
+        return {"undelivered": sorted(undelivered), "episodes": episodes}
+
+    async def install_share(
+        self, records: Sequence[Record], scope: Sequence[EpisodeId], options: dict[str, Any]
+    ) -> None:
+        """One worker's part of a restore: ``options["import"]`` imports the ledger (one worker
+        only: the directory is shared); every worker waits for ``options["targets"]``.
+
+        Raises:
+            CheckpointError: This process has served calls, or the ledger refused the rows.
+            InvalidCheckpointStateError: A record is malformed or outside the scope.
+        """
+        if self.served:
+            raise CheckpointError(
+                "a model restore needs a freshly started server; this one has served calls"
+            )
+        if options["import"]:
+            ledgers, _cuts = checked_restore(records, scope)  # the cuts stay with the coordinator
+            await self._import_ledgers(ledgers)
+            await self._retire_ledgers(list(scope))
+        self.restored_targets = {str(key) for key in options["targets"]}
+        self.restored_cut_keys = {str(key) for key in options["cut_keys"]}
+        self.restored_cuts.records = {}
         self.changes.notify()
 
     def served_live_work(self) -> bool:
@@ -332,31 +389,3 @@ class ModelParticipant(BaseParticipant):
             "restored_generation_cuts": sorted(self.restored_cuts.records),
             "waiting": self.gate.waiting,
         }
-
-
-def _checked_record(
-    record: Record, index: int, wanted: Mapping[str, EpisodeId]
-) -> tuple[EpisodeId, GenerationCutRecord | None]:
-    if not isinstance(record, Mapping) or set(record) != MODEL_RECORD_FIELDS:
-        raise InvalidCheckpointStateError(
-            f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
-        )
-    try:
-        source = EpisodeId.model_validate(record["episode_id"])
-    except ValueError:
-        raise InvalidCheckpointStateError(f"model record {index} has no valid episode_id") from None
-    if source.capture_key not in wanted:
-        raise InvalidCheckpointStateError(f"model record {index} is outside the restore scope")
-    rows = record["rows"]
-    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
-        raise InvalidCheckpointStateError(f"model record {index}: rows must be a list of objects")
-    cuts = record["generation_cuts"]
-    if not isinstance(cuts, list) or len(cuts) > 1:
-        raise InvalidCheckpointStateError(f"model record {index}: at most one generation cut")
-    try:
-        cut = GenerationCutRecord.model_validate(cuts[0]) if cuts else None
-    except ValueError:
-        raise InvalidCheckpointStateError(
-            f"model record {index} holds a malformed generation cut"
-        ) from None
-    return source, cut

@@ -151,8 +151,8 @@ async def run_cut_round(
     return CutRound(counts, failures)
 
 
-def latest_cuts(tickets: Iterable[ModelTicket]) -> dict[str, GenerationCutRecord]:
-    """One cut per capture key: that of the latest-admitted ticket holding one."""
+def latest_cut_tickets(tickets: Iterable[ModelTicket]) -> dict[str, ModelTicket]:
+    """Per capture key, the latest-admitted undelivered ticket holding a cut."""
     best: dict[str, ModelTicket] = {}
     for ticket in tickets:
         if ticket.cut_record is None or ticket.response_started or ticket.episode is None:
@@ -160,6 +160,12 @@ def latest_cuts(tickets: Iterable[ModelTicket]) -> dict[str, GenerationCutRecord
         key = ticket.episode.capture_key
         if key not in best or ticket.admitted_at > best[key].admitted_at:
             best[key] = ticket
+    return best
+
+
+def latest_cuts(tickets: Iterable[ModelTicket]) -> dict[str, GenerationCutRecord]:
+    """One cut per capture key: that of the latest-admitted ticket holding one."""
+    best = latest_cut_tickets(tickets)
     return {key: t.cut_record for key, t in best.items() if t.cut_record is not None}
 
 

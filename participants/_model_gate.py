@@ -146,6 +146,11 @@ class ModelGate:
         ticket.response_started = True  # from here on the call counts as delivered
         self._notify()
 
+    async def wait_open(self) -> None:
+        """Return once admission is open (at once when it is)."""
+        while not self.accepting:
+            await self._opened.wait()
+
     def release(self, ticket: ModelTicket) -> None:
         """The call has left the server (answered, refused or cancelled)."""
         if self.tickets.pop(ticket.model_call_id, None) is not None:

@@ -78,6 +78,11 @@ class WorkerMember:
         if hasattr(self.participant, "claim_restored"):
             # Restored state that lives inside one request: the first worker to use it claims it.
             self.participant.claim_restored = self.claim
+        if hasattr(self.participant, "claim_cut"):
+            # The model server's restored cuts stay with the coordinator until a call claims one.
+            model: Any = self.participant
+            model.claim_cut = self.claim_cut
+            model.return_cut = self.return_cut
 
     @property
     def channel(self) -> Channel:
@@ -213,12 +218,21 @@ class WorkerMember:
         if kind == "export":
             scope = body["scope"]
             episodes = None if scope is None else [EpisodeId.model_validate(e) for e in scope]
+            share = getattr(participant, "export_share", None)
+            if share is not None:
+                # A share the coordinator merges (the model's: undelivered calls of every worker).
+                return await share(episodes)
             self._exported = list(await participant.export(episodes))
             return self._exported
         if kind == "install":
             if body.get("manifest") is not None:
                 participant.restore_manifest(body["manifest"])
             scope = [EpisodeId.model_validate(e) for e in body["scope"]]
+            install_share = getattr(participant, "install_share", None)
+            if body.get("options") is not None and install_share is not None:
+                # A share of a specialised coordinator's restore (the model's: import once).
+                await install_share(body["records"], scope, body["options"])
+                return None
             await participant.install(body["records"], scope)
             return None
         if kind == "park":
@@ -234,6 +248,23 @@ class WorkerMember:
             "claim", {"capture_key": capture_key}, within=MESSAGE_TIMEOUT_SECONDS
         )
         return bool(reply)
+
+    async def claim_cut(self, capture_key: str, request_digest: str) -> dict[str, Any] | None:
+        """Ask the coordinator for the restored cut of ``capture_key`` this request continues."""
+        reply = await self.channel.request(
+            "claim_cut",
+            {"capture_key": capture_key, "request_digest": request_digest},
+            within=MESSAGE_TIMEOUT_SECONDS,
+        )
+        return None if reply is None else dict(reply)
+
+    async def return_cut(self, capture_key: str, record: dict[str, Any]) -> None:
+        """Give back a claimed cut no response used, so the next checkpoint carries it."""
+        await self.channel.request(
+            "return_cut",
+            {"capture_key": capture_key, "record": record},
+            within=MESSAGE_TIMEOUT_SECONDS,
+        )
 
     # ----------------------------------------------------------------- control relay
 

@@ -154,13 +154,21 @@ class WorkerCoordinator(BaseParticipant):
             if kind == "metrics":
                 own = generate_latest(plane.telemetry.registry).decode()
                 return [own, *await self.metrics()]
-            raise InvalidRequestError(f"unknown message kind {kind!r}")
+            return await self.handle_message(worker, kind, body)
 
         try:
             await channel.serve(handle)
         finally:
             if worker is not None and self.workers.get(worker.pid) is worker:
                 self._drop(worker)
+
+    async def handle_message(self, worker: WorkerState, kind: str, body: Any) -> Any:
+        """A message kind of a specialised coordinator; none by default.
+
+        Raises:
+            InvalidRequestError: The kind is unknown.
+        """
+        raise InvalidRequestError(f"unknown message kind {kind!r}")
 
     def _register(self, worker: WorkerState) -> dict[str, Any]:
         self.workers[worker.pid] = worker

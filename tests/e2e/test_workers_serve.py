@@ -165,3 +165,5 @@ def test_the_drill_with_two_workers_per_server_is_green(tmp_path: Path) -> None:
     assert completed.returncode == 0, figures
     joined = _events(tmp_path / "run" / "logs" / "resources-1.log", "worker.joined")
     assert len(joined) == 2  # the restarted resources server really ran two workers
+    policy = _events(tmp_path / "run" / "logs" / "policy-0.log", "worker.joined")
+    assert len(policy) == 2  # and so did the policy server (D216)

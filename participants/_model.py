@@ -232,6 +232,12 @@ class ModelParticipant(BaseParticipant):
         :func:`model_commit_reply`)."""
         return model_commit_reply(records)
 
+    def _refuse_restore_if_served(self) -> None:
+        if self.served:
+            raise CheckpointError(
+                "a model restore needs a freshly started server; this one has served calls"
+            )
+
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
         """Import every scoped episode's rows under its next attempt; retire attempts 0..N.
 
@@ -239,10 +245,7 @@ class ModelParticipant(BaseParticipant):
             CheckpointError: This process has served calls, or the ledger refused the rows.
             InvalidCheckpointStateError: A record is malformed or outside the scope.
         """
-        if self.served:
-            raise CheckpointError(
-                "a model restore needs a freshly started server; this one has served calls"
-            )
+        self._refuse_restore_if_served()
         ledgers, cuts = checked_restore(records, scope)  # the whole batch before any change
         await self._import_ledgers(ledgers)
         self.restored_targets = set(ledgers)
@@ -339,10 +342,7 @@ class ModelParticipant(BaseParticipant):
             CheckpointError: This process has served calls, or the ledger refused the rows.
             InvalidCheckpointStateError: A record is malformed or outside the scope.
         """
-        if self.served:
-            raise CheckpointError(
-                "a model restore needs a freshly started server; this one has served calls"
-            )
+        self._refuse_restore_if_served()
         if options["import"]:
             ledgers, _cuts = checked_restore(records, scope)  # the cuts stay with the coordinator
             await self._import_ledgers(ledgers)

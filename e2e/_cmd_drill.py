@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -112,25 +113,6 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
-        if matrix is not None:
-            from ._cmd_matrix import run_matrix_command
-
-            run_matrix_command(
-                matrix,
-                DrillOptions(
-                    rollouts=rollouts,
-                    seed=seed,
-                    token_delay_ms=token_delay_ms,
-                    concurrency=concurrency,
-                    fault=fault,
-                    verify=verify,
-                    resources_mode=resources_mode,
-                    restart_only_share=0.0,
-                ),
-                keep_dir,
-                jobs=matrix_jobs,
-                as_json=as_json,
-            )
         if fault is not None and fault not in FAULTS:
             raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:
@@ -152,6 +134,12 @@ def register(app: typer.Typer) -> None:
             restart_only_share=restart_only_share,
             workers=workers,
         )
+        if matrix is not None:
+            from ._cmd_matrix import run_matrix_command
+
+            # Matrix cells run one crash each and no restart-only share (their own crash plan).
+            cells = dataclasses.replace(options, restart_only_share=0.0, workers=1)
+            run_matrix_command(matrix, cells, keep_dir, jobs=matrix_jobs, as_json=as_json)
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
         if sequences:
             from ._sequence_report import run_sequences_command

@@ -62,6 +62,15 @@ class DrillOptions:
     restart_only_share: float = 0.2
     workers: int = 1
 
+    def task_input(self) -> dict[str, int]:
+        """The counter task every rollout runs (what its tokens and reward depend on)."""
+        return {
+            "activations": self.activations,
+            "turns": self.turns,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+        }
+
 
 MULTI_WORKER_ROLES: Final = ("model", "resources", "agent", "environment")
 """The roles ``--workers N`` runs with N worker processes (the others keep one)."""
@@ -179,12 +188,7 @@ def run_cluster(
     if options.fault:
         env["MIDFLIGHT_FAULT"] = options.fault
     rollouts = [f"r{index:03d}" for index in range(options.rollouts)]
-    task_input = {
-        "activations": options.activations,
-        "turns": options.turns,
-        "max_tokens": options.max_tokens,
-        "seed": options.seed,
-    }
+    task_input = options.task_input()
     evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
     restart_only = restart_only_rollouts(rollouts, options.restart_only_share)
     extra: tuple[ExtraServer, ...] = ()
@@ -246,13 +250,7 @@ BASELINE_MARKER = "baseline.json"
 
 def baseline_key(options: DrillOptions) -> dict[str, Any]:
     """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing."""
-    return {
-        "rollouts": options.rollouts,
-        "seed": options.seed,
-        "activations": options.activations,
-        "turns": options.turns,
-        "max_tokens": options.max_tokens,
-    }
+    return {"rollouts": options.rollouts, **options.task_input()}
 
 
 def _baseline(

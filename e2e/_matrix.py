@@ -156,12 +156,7 @@ def run_cell(
         env["MIDFLIGHT_FAULT"] = options.fault
     evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
     rollouts = [f"r{index:03d}" for index in range(options.rollouts)]
-    task_input = {
-        "activations": options.activations,
-        "turns": options.turns,
-        "max_tokens": options.max_tokens,
-        "seed": options.seed,
-    }
+    task_input = options.task_input()
     supervisor_options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},

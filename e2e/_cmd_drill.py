@@ -17,6 +17,7 @@ from participants import RESOURCES_MODES, VERIFY_MODES
 from ._drill import FAULTS, DrillOptions, run_drill
 from ._oracle import ERROR_FIGURES
 from ._output import JsonOption, console, emit, error_console
+from ._sequences import NAMED_CASES, REFERENCE_LENGTH, REFERENCE_ROLLOUTS
 
 SHOWN = (
     "rollouts",
@@ -46,7 +47,12 @@ def register(app: typer.Typer) -> None:
 
     @app.command("drill")
     def drill_command(
-        rollouts: Annotated[int, typer.Option(min=1, help="Rollouts to run.")] = 8,
+        rollouts: Annotated[
+            int | None,
+            typer.Option(
+                min=1, help="Rollouts to run [default: 8; 10, the reference's, with --sequences]."
+            ),
+        ] = None,
         checkpoints: Annotated[int, typer.Option(min=0, help="Checkpoints to publish.")] = 3,
         crashes: Annotated[int, typer.Option(min=0, help="SIGKILLs of every server.")] = 2,
         seed: Annotated[int, typer.Option(min=0, help="Generation seed of the episodes.")] = 0,
@@ -97,10 +103,16 @@ def register(app: typer.Typer) -> None:
         ] = 0,
         sequence_length: Annotated[
             int, typer.Option(min=2, help="Operations per random sequence.")
-        ] = 8,
+        ] = REFERENCE_LENGTH,
         sequence_crashes: Annotated[
             int, typer.Option(min=0, help="At most this many crashes per random sequence.")
         ] = 2,
+        sequence_case: Annotated[
+            str | None,
+            typer.Option(
+                help="Run one named, forced interleaving instead: " + ", ".join(sorted(NAMED_CASES))
+            ),
+        ] = None,
         matrix: Annotated[
             str | None,
             typer.Option(
@@ -121,6 +133,14 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(
                 f"unknown resources mode {resources_mode!r}; known: {list(RESOURCES_MODES)}"
             )
+        if sequence_case is not None and sequence_case not in NAMED_CASES:
+            raise typer.BadParameter(
+                f"unknown sequence case {sequence_case!r}; known: {sorted(NAMED_CASES)}"
+            )
+        if sequence_case is not None:
+            sequences = 1
+        if rollouts is None:
+            rollouts = REFERENCE_ROLLOUTS if sequences else 8
         options = DrillOptions(
             rollouts=rollouts,
             checkpoints=checkpoints,
@@ -151,6 +171,7 @@ def register(app: typer.Typer) -> None:
                 work,
                 length=sequence_length,
                 max_crashes=sequence_crashes,
+                case=sequence_case,
                 keep=keep_dir is not None,
                 as_json=as_json,
             )

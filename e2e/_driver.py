@@ -190,20 +190,32 @@ class Driver:
                 await anyio.sleep(0.01)
         return False
 
-    async def checkpoint(self, index: int) -> bool:
+    async def checkpoint(self, index: int, *, block: float | None = None) -> bool:
+        """Take checkpoint ``index`` of this phase; False when its prepare was blocked.
+
+        ``block`` forces the rarer outcome: the controller treats the prepare as blocked by the
+        attempt of its scope that ``block`` (in [0, 1)) picks, and does what it does for a real
+        straggler (control-plane §3.4.1: resume, retire it, dispatch its next attempt).
+        """
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
         directory = self.control.checkpoint_dir(self.root, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
         scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
         prepared = await self.control.prepare(checkpoint_id, deadline)
-        if not prepared.prepared:
+        forced: list[EpisodeId] = []
+        candidates = sorted({**self.owed, **self.in_flight}.items())  # none finished meanwhile
+        if block is not None and prepared.prepared and candidates:
+            rollout, attempt = candidates[min(len(candidates) - 1, int(block * len(candidates)))]
+            forced = [EpisodeId(rollout_id=rollout, attempt=attempt)]
+        if not prepared.prepared or forced:
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
-            stragglers = prepared.blocking_episodes()
+            stragglers = forced or prepared.blocking_episodes()
             await self.log(
                 {
                     "event": "prepare_blocked",
                     "id": checkpoint_id,
                     "blockers": [e.capture_key for e in stragglers],
+                    "forced": bool(forced),
                 }
             )
             if stragglers:

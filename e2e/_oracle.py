@@ -156,25 +156,104 @@ class Figures:
         return reasons
 
 
-def straggler_reruns(driver: list[dict[str, Any]]) -> set[str]:
-    """Capture keys of attempts the controller ran from input after retiring a straggler.
+@dataclass(frozen=True)
+class RerunWindow:
+    """An attempt the controller ran again from its input, and while that incarnation lasted.
 
-    A prepare blocked by an attempt makes the controller retire it and dispatch the next attempt,
-    which starts over from its input: its model calls repeat the retired attempt's by design, so
-    they are not the repeats the drill hunts (a continued rollout calling the model again).
+    The window runs from the attempt's dispatch to the next crash or restore: after one, the same
+    capture key may come back as a restored continuation, whose repeats count again.
     """
-    blocked: set[str] = set()
-    reruns: set[str] = set()
+
+    capture_key: str
+    start: float
+    end: float
+
+    def covers(self, capture_key: str, t: float) -> bool:
+        """Whether an execution of ``capture_key`` at ``t`` belongs to this rerun."""
+        return capture_key == self.capture_key and self.start <= t < self.end
+
+
+def reruns_from_input(driver: Sequence[Mapping[str, Any]]) -> list[RerunWindow]:
+    """The attempts the controller dispatched right after retiring the attempt before them.
+
+    Two controller choices do that: retiring the stragglers of a blocked prepare (control-plane
+    §3.4.1, ``prepare_blocked``) and retiring an attempt of its own accord (a sequence's
+    ``retire``). The next attempt starts over from its input, so its model calls repeat the
+    retired attempt's by design: they are not the repeats the drill hunts (a continued rollout
+    calling the model again, D209 revised by D219).
+    """
+    cuts = sorted(e["t"] for e in driver if e.get("event") in ("crash", "restore"))
+    retired: set[str] = set()
+    windows: list[RerunWindow] = []
     for event in driver:
-        if event.get("event") == "prepare_blocked":
-            blocked.update(event.get("blockers", []))
-        elif event.get("event") == "dispatch" and event["attempt"] > 0:
+        name = event.get("event")
+        if name in ("crash", "restore"):
+            retired.clear()  # a later dispatch of the same key may be a restored continuation
+        elif name == "prepare_blocked":
+            retired.update(event.get("blockers", []))
+        elif name == "retire" and "key" in event:
+            retired.add(event["key"])
+        elif name == "dispatch" and event["attempt"] > 0:
             before = EpisodeId(rollout_id=event["rollout"], attempt=event["attempt"] - 1)
-            if before.capture_key in blocked:
-                reruns.add(
-                    EpisodeId(rollout_id=event["rollout"], attempt=event["attempt"]).capture_key
-                )
-    return reruns
+            if before.capture_key in retired:
+                key = EpisodeId(rollout_id=event["rollout"], attempt=event["attempt"]).capture_key
+                end = next((t for t in cuts if t > event["t"]), float("inf"))
+                windows.append(RerunWindow(key, event["t"], end))
+    return windows
+
+
+@dataclass(frozen=True)
+class RepeatedCalls:
+    """Executions after a restore of calls the restored checkpoint had delivered."""
+
+    repeated: int
+    """Repeats of a continued rollout: each one fails the drill."""
+    by_rerun: int
+    """Repeats made by a rerun from input the controller chose: reported, not a failure."""
+
+
+def repeated_model_calls(
+    driver: Sequence[Mapping[str, Any]], policy: Sequence[Mapping[str, Any]]
+) -> RepeatedCalls:
+    """Count the model calls executed again after a restore (admit or egress, once each)."""
+    egress_by_call = {e["model_call_id"]: e for e in policy if e.get("event") == "egress"}
+    executions = [e for e in policy if e.get("event") in ("admit", "egress")]
+    windows = reruns_from_input(driver)
+    repeated: set[tuple[str, str, float]] = set()
+    by_rerun: set[tuple[str, str, float]] = set()
+    for restore in (e for e in driver if e.get("event") == "restore"):
+        delivered = _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
+        for event in executions:
+            rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
+            if event["t"] <= restore["t"] or (rollout, event["request_digest"]) not in delivered:
+                continue
+            found = (rollout, event["request_digest"], event["t"])
+            if any(w.covers(event["capture_key"], event["t"]) for w in windows):
+                by_rerun.add(found)
+            else:
+                repeated.add(found)
+    return RepeatedCalls(repeated=len(repeated), by_rerun=len(by_rerun - repeated))
+
+
+def calls_by_incarnation(
+    driver: Sequence[Mapping[str, Any]], policy: Sequence[Mapping[str, Any]]
+) -> dict[str, list[int]]:
+    """Capture key → model calls admitted in each incarnation of the deployment.
+
+    Incarnation *i* runs from restore *i* (0: the start) to the next one. A restore of a checkpoint
+    older than the last crash's brings back capture keys that already ran after that checkpoint
+    (their later files are wiped, policy-model §2.7 ``import_rows_many``), so one key may call
+    the model in several incarnations; within each it never needs more than its episode does.
+    """
+    restores = sorted(e["t"] for e in driver if e.get("event") == "restore")
+    counts: dict[str, list[int]] = {}
+    for event in policy:
+        if event.get("event") != "admit":
+            continue
+        incarnation = sum(1 for t in restores if t < event["t"])
+        row = counts.setdefault(event["capture_key"], [0] * (len(restores) + 1))
+        row[incarnation] += 1
+    return counts
 
 
 def compute_figures(
@@ -187,21 +266,12 @@ def compute_figures(
     outcomes = rollout_outcomes(run_root)
     egress = [e for e in policy if e.get("event") == "egress"]
     executions = [e for e in policy if e.get("event") in ("admit", "egress")]
-    egress_by_call = {e["model_call_id"]: e for e in egress}
 
-    repeated: set[tuple[str, str, float]] = set()
+    repeated = repeated_model_calls(driver, policy)
     redone = 0
     restores = [e for e in driver if e.get("event") == "restore"]
     crashes = [e for e in driver if e.get("event") == "crash"]
-    reruns = straggler_reruns(driver)
     for restore in restores:
-        delivered = _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
-        for event in executions:
-            if event["capture_key"] in reruns:
-                continue  # run again from its input on purpose: its calls repeat by design
-            rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
-            if event["t"] > restore["t"] and (rollout, event["request_digest"]) in delivered:
-                repeated.add((rollout, event["request_digest"], event["t"]))
         published = restore.get("checkpoint_t", 0.0)
         crash_t = max((c["t"] for c in crashes if c["t"] < restore["t"]), default=restore["t"])
         after = {
@@ -253,7 +323,8 @@ def compute_figures(
         "lost": rollouts - len(outcomes),
         "token_mismatches": token_mismatches,
         "reward_mismatches": reward_mismatches,
-        "repeated_model_calls": len(repeated),
+        "repeated_model_calls": repeated.repeated,
+        "rerun_model_calls": repeated.by_rerun,
         "redone_model_calls": redone,
         "held_delivered": sum(1 for e in egress if e.get("held")),
         "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),

@@ -136,7 +136,7 @@ class SequenceDriver(Driver):
                         if await self.control.model_calls_in_flight() > 0:
                             break
                         await anyio.sleep(0.01)
-            published = await self.checkpoint(self.taken)
+            published = await self.checkpoint(self.taken, block=op.get("block"))
             if published:
                 self.taken += 1
                 directory = self.control.checkpoint_dir(

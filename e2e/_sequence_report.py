@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import shutil
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.table import Table
@@ -24,6 +25,7 @@ def run_sequences_command(
     max_crashes: int,
     keep: bool,
     as_json: bool,
+    case: str | None = None,
 ) -> None:
     """Run ``count`` sequences from seed ``first_seed``; exit non-zero if any fails.
 
@@ -36,16 +38,20 @@ def run_sequences_command(
         length=length,
         max_crashes=max_crashes,
         drill=dataclasses.replace(drill, seed=0, restart_only_share=0.0),
+        case=case,
+        keep=keep,
     )
 
     def on_line(line: str) -> None:
         if not as_json:
             error_console.print(f"[dim]{line}[/dim]")
 
+    report: dict[str, Any] | None = None
     try:
         report = run_sequences(options, work, on_line)
     finally:
-        if not keep:
+        # A failing sequence keeps its directory (evidence, logs, checkpoints) to be looked at.
+        if not keep and (report is None or report["ok"]):
             shutil.rmtree(work, ignore_errors=True)
 
     def render() -> None:
@@ -55,7 +61,7 @@ def run_sequences_command(
         for row in report["sequences"]:
             result = "[green]ok[/green]" if row["ok"] else "[red]" + "; ".join(row["failures"])
             table.add_row(
-                str(row["seed"]),
+                row["case"] or str(row["seed"]),
                 " ".join(row["ops"]),
                 str(row["crashes"]),
                 str(row["checkpoints"]),
@@ -65,8 +71,12 @@ def run_sequences_command(
         console.print(table)
         if report["failed_seeds"]:
             console.print(f"[red]FAIL[/red]: seeds {report['failed_seeds']}")
+            for row in report["sequences"]:
+                if not row["ok"]:
+                    console.print(f"  replay: {row['replay']}\n  evidence: {row['evidence']}")
         else:
             console.print("[green]PASS[/green]")
 
+    assert report is not None  # run_sequences returned, or the exception propagated
     emit(report, as_json=as_json, render=render)
     raise typer.Exit(0 if report["ok"] else 1)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import json
 import random
 import secrets
+import shutil
 import time
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -33,9 +33,17 @@ from protocols import EpisodeId
 
 from ._drill import DrillOptions, DriverProcess, run_cluster
 from ._evidence import EvidenceLog, read_evidence
-from ._oracle import ERROR_FIGURES, RolloutOutcome, compute_figures, rollout_outcomes
-from ._oracle import _delivered_at as delivered_at
+from ._oracle import (
+    ERROR_FIGURES,
+    RolloutOutcome,
+    calls_by_incarnation,
+    compute_figures,
+    rollout_outcomes,
+)
 from ._supervisor import Supervisor, SupervisorOptions
+
+BLOCK_SHARE: Final = 0.15
+"""Share of the checkpoint and crash operations whose prepare the controller treats as blocked."""
 
 OPERATION_WEIGHTS: Final[Mapping[str, int]] = {
     "start": 4,
@@ -47,26 +55,41 @@ OPERATION_WEIGHTS: Final[Mapping[str, int]] = {
 """How often each operation is drawn (weights of ``random.choices``)."""
 
 
+REFERENCE_LENGTH: Final = 30
+"""Operations per sequence of the reference's random-sequence suite (4 seeds, 10 rollouts each)."""
+REFERENCE_ROLLOUTS: Final = 10
+
+
 @dataclass(frozen=True)
 class SequenceOptions:
-    """What one ``--sequences`` run does."""
+    """What one ``--sequences`` run does: seeded plans, or one named case when ``case`` is set."""
 
     sequences: int = 1
     seed: int = 0
-    length: int = 8
+    length: int = REFERENCE_LENGTH
     max_crashes: int = 2
     drill: DrillOptions = field(
-        default_factory=lambda: DrillOptions(rollouts=4, restart_only_share=0.0)
+        default_factory=lambda: DrillOptions(rollouts=REFERENCE_ROLLOUTS, restart_only_share=0.0)
     )
+    case: str | None = None
+    keep: bool = True
+    """Keep every sequence's directory; otherwise only those of failing sequences stay."""
 
 
-def plan_sequence(seed: int, length: int = 8, max_crashes: int = 2) -> list[dict[str, Any]]:
+def plan_sequence(
+    seed: int, length: int = REFERENCE_LENGTH, max_crashes: int = 2
+) -> list[dict[str, Any]]:
     """The operations of sequence ``seed``: the same seed always gives the same plan.
 
     The first operation starts rollouts (an empty deployment proves little); at most
-    ``max_crashes`` crashes are drawn (an extra one becomes a checkpoint).
+    ``max_crashes`` crashes are drawn (an extra one becomes a checkpoint). A second generator,
+    seeded from the same seed, marks about ``BLOCK_SHARE`` of the checkpoint and crash operations
+    ``block``: the controller then treats that prepare as blocked by one attempt of its scope
+    (``block`` picks which), so the rarer outcome of a checkpoint runs every time (D219). The
+    operation names a seed draws are the same as before the marks existed.
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible plan, not a secret
+    blocks = random.Random(f"block-{seed}")  # noqa: S311 - the same
     names = list(OPERATION_WEIGHTS)
     weights = list(OPERATION_WEIGHTS.values())
     ops: list[dict[str, Any]] = [{"op": "start", "count": rng.randint(1, 3)}]
@@ -82,8 +105,59 @@ def plan_sequence(seed: int, length: int = 8, max_crashes: int = 2) -> list[dict
             op["count"] = rng.randint(1, 3)
         elif name == "retire":
             op["pick"] = round(rng.random(), 3)
+        if name in ("checkpoint", "crash") and blocks.random() < BLOCK_SHARE:
+            op["block"] = round(blocks.random(), 3)
         ops.append(op)
     return ops
+
+
+NAMED_CASES: Final[Mapping[str, list[dict[str, Any]]]] = {
+    # Issue 18: seed 22's plan at the reference's size, frozen. The checkpoint of the second
+    # crash (index 5), right after the first restore, is blocked by the first attempt of its
+    # scope (r000-a2, restored): the controller resumes, retires it, reruns it from input as
+    # r000-a3, crashes and restores the first checkpoint again, so every restored attempt runs
+    # in a second incarnation (D218, D219).
+    "blocked-after-restore": [
+        {"op": "start", "count": 1},
+        {"op": "start", "count": 3},
+        {"op": "retire", "pick": 0.184},
+        {"op": "start", "count": 3},
+        {"op": "crash"},
+        {"op": "crash", "block": 0.0},
+        {"op": "start", "count": 2},
+        {"op": "retire", "pick": 0.319},
+        {"op": "checkpoint"},
+        {"op": "retire", "pick": 0.685},
+        {"op": "retire", "pick": 0.708},
+        {"op": "start", "count": 1},
+        {"op": "checkpoint"},
+        {"op": "start", "count": 1},
+        {"op": "start", "count": 1},
+        {"op": "checkpoint"},
+        {"op": "retire", "pick": 0.774},
+        {"op": "retire", "pick": 0.566},
+        {"op": "checkpoint"},
+        {"op": "checkpoint"},
+        {"op": "start", "count": 2},
+        {"op": "start", "count": 3},
+        {"op": "checkpoint"},
+        {"op": "start", "count": 2},
+        {"op": "checkpoint"},
+        {"op": "start", "count": 1},
+        {"op": "finish"},
+        {"op": "checkpoint"},
+        {"op": "finish"},
+        {"op": "start", "count": 2},
+    ],
+}
+"""Interleavings that once failed, forced every time (``--sequence-case NAME``)."""
+
+
+def plan_of(options: SequenceOptions, seed: int) -> list[dict[str, Any]]:
+    """The plan of sequence ``seed`` under ``options`` (the named case's, when one is set)."""
+    if options.case is not None:
+        return [dict(op) for op in NAMED_CASES[options.case]]
+    return plan_sequence(seed, options.length, options.max_crashes)
 
 
 class SequenceDriverProcess(DriverProcess):
@@ -112,7 +186,7 @@ def run_sequence(
 ) -> int:
     """Execute sequence ``seed`` on a fresh cluster under ``root``; return the crashes."""
     drill = options.drill
-    ops = plan_sequence(seed, options.length, options.max_crashes)
+    ops = plan_of(options, seed)
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     (root / "sequence.json").write_text(json.dumps({"seed": seed, "ops": ops}))
@@ -165,57 +239,84 @@ def run_sequence(
             first = crashed_at + 1
 
 
-def repeated_calls(root: Path, driver: list[dict[str, Any]]) -> Counter[str]:
-    """Rollout → calls executed after a restore that the restored checkpoint had delivered."""
-    policy = read_evidence(root / "evidence" / "policy.jsonl")
-    egress_by_call = {e["model_call_id"]: e for e in policy if e.get("event") == "egress"}
-    executions = [e for e in policy if e.get("event") in ("admit", "egress")]
-    repeated: set[tuple[str, str, float]] = set()
-    for restore in (e for e in driver if e.get("event") == "restore"):
-        delivered = delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
-        for event in executions:
-            rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
-            if event["t"] > restore["t"] and (rollout, event["request_digest"]) in delivered:
-                repeated.add((rollout, event["request_digest"], event["t"]))
-    return Counter(rollout for rollout, _, _ in repeated)
+def checkpoint_outcomes(driver: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each checkpoint the controller tried: its operation's index, id and outcome."""
+    outcomes: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+    for event in driver:
+        if event.get("event") == "checkpoint":
+            pending.append({"id": event["id"], "outcome": "published"})
+        elif event.get("event") == "prepare_blocked":
+            pending.append(
+                {
+                    "id": event["id"],
+                    "outcome": "blocked",
+                    "blockers": event.get("blockers", []),
+                    "forced": bool(event.get("forced")),
+                }
+            )
+        elif event.get("event") == "step":
+            outcomes += [{"step": event["index"], **item} for item in pending]
+            pending = []
+    return outcomes + pending
 
 
 def sequence_failures(
     root: Path, baseline: Mapping[str, RolloutOutcome], rollouts: int
 ) -> tuple[list[str], dict[str, Any]]:
-    """Why sequence run ``root`` fails §8.1 (empty when it holds), and its figures."""
+    """Why sequence run ``root`` fails §8.1 (empty when it holds), and its figures.
+
+    The figures are the drill's (a rerun from input the controller chose repeats calls by design,
+    D219); calls are bounded per incarnation, since a restore of an older checkpoint brings back
+    capture keys that already ran.
+    """
     figures = compute_figures(root, baseline, rollouts=rollouts).values
     driver = read_evidence(root / "evidence" / "driver.jsonl")
-    # A rollout the controller retired after a restore reruns from its input on purpose: its
-    # re-executed calls are the controller's doing (§8.1 item 10), reported, not a failure.
-    repeated = repeated_calls(root, driver)
-    retired_after = {
-        EpisodeId.from_capture_key(r["key"]).rollout_id
-        for r in driver
-        if r.get("event") == "retire"
-        and any(r["t"] > e["t"] for e in driver if e.get("event") == "restore")
-    }
-    figures["repeated_model_calls"] = sum(n for r, n in repeated.items() if r not in retired_after)
-    figures["rerun_by_retire"] = sum(n for r, n in repeated.items() if r in retired_after)
+    policy = read_evidence(root / "evidence" / "policy.jsonl")
     failures = [f"{name} = {figures[name]}" for name in ERROR_FIGURES if figures.get(name)]
     for event in driver:
         if event.get("event") == "violation":
             failures.append(f"step {event['step']}: {event['rule']}: {event['detail']}")
     needed = {rollout: outcome.model_calls for rollout, outcome in baseline.items()}
-    admits = Counter(
-        e["capture_key"]
-        for e in read_evidence(root / "evidence" / "policy.jsonl")
-        if e.get("event") == "admit"
-    )
-    for key, calls in sorted(admits.items()):
+    calls = calls_by_incarnation(driver, policy)
+    for key, counts in sorted(calls.items()):
         bound = needed.get(EpisodeId.from_capture_key(key).rollout_id, 0)
-        if calls > bound:
-            failures.append(f"calls: {key} made {calls} model calls, its episode needs {bound}")
+        for incarnation, count in enumerate(counts):
+            if count > bound:
+                failures.append(
+                    f"calls: {key} made {count} model calls in incarnation {incarnation}, "
+                    f"its episode needs {bound}"
+                )
     for directory in sorted((root / "checkpoints").glob("*/checkpoint.json")):
         failures += [f"verify: {p}" for p in verify_checkpoint(directory.parent)]
     figures["violations"] = sum(1 for e in driver if e.get("event") == "violation")
     figures["retires"] = sum(1 for e in driver if e.get("event") == "retire")
+    figures["checkpoint_outcomes"] = checkpoint_outcomes(driver)
+    figures["calls"] = {key: counts for key, counts in calls.items() if sum(counts)}
     return failures, figures
+
+
+def replay_command(options: SequenceOptions, seed: int) -> str:
+    """The command line that runs sequence ``seed`` (or the named case) again, keeping its files."""
+    drill = options.drill
+    words = ["midflight", "drill", "--sequences", "1", "--rollouts", str(drill.rollouts)]
+    if options.case is not None:
+        words += ["--sequence-case", options.case]
+    else:
+        words += [
+            "--seed", str(seed),
+            "--sequence-length", str(options.length),
+            "--sequence-crashes", str(options.max_crashes),
+        ]  # fmt: skip
+    if drill.token_delay_ms != DrillOptions.token_delay_ms:
+        words += ["--token-delay-ms", f"{drill.token_delay_ms:g}"]
+    if drill.fault:
+        words += ["--fault", drill.fault]
+    if drill.verify != DrillOptions.verify:
+        words += ["--verify", drill.verify]
+    if drill.resources_mode != DrillOptions.resources_mode:
+        words += ["--resources-mode", drill.resources_mode]
+    return " ".join([*words, "--keep-dir", f"midflight-seq-{seed}", "--json"])
 
 
 def run_sequences(
@@ -235,30 +336,41 @@ def run_sequences(
     )
     baseline = rollout_outcomes(work / "baseline")
     results: list[dict[str, Any]] = []
-    for seed in range(options.seed, options.seed + options.sequences):
+    seeds = (
+        [options.seed] if options.case else range(options.seed, options.seed + options.sequences)
+    )
+    for seed in seeds:
         root = work / f"seq-{seed}"
+        begun = time.monotonic()
         try:
             crashes = run_sequence(root, seed, options, token, on_line)
             failures, figures = sequence_failures(root, baseline, options.drill.rollouts)
         except RuntimeError as exc:
             crashes, failures, figures = -1, [f"did not finish: {exc}"], {}
         ok = not failures
+        row: dict[str, Any] = {
+            "seed": seed,
+            "case": options.case,
+            "ok": ok,
+            "ops": [_op_word(op) for op in plan_of(options, seed)],
+            "crashes": crashes,
+            "checkpoints": figures.get("checkpoints", 0),
+            "retires": figures.get("retires", 0),
+            "restored": figures.get("restored", 0),
+            "rerun_model_calls": figures.get("rerun_model_calls", 0),
+            "checkpoint_outcomes": figures.get("checkpoint_outcomes", []),
+            "failures": failures,
+            "wall_s": round(time.monotonic() - begun, 3),
+        }
         if not ok:
+            row["replay"] = replay_command(options, seed)
+            row["evidence"] = str(root)
+            row["calls"] = figures.get("calls", {})
             on_line(f"sequence seed {seed} FAILED: " + "; ".join(failures))
-        results.append(
-            {
-                "seed": seed,
-                "ok": ok,
-                "ops": [
-                    op["op"] for op in plan_sequence(seed, options.length, options.max_crashes)
-                ],
-                "crashes": crashes,
-                "checkpoints": figures.get("checkpoints", 0),
-                "retires": figures.get("retires", 0),
-                "restored": figures.get("restored", 0),
-                "failures": failures,
-            }
-        )
+            on_line(f"  replay: {row['replay']}  (evidence kept in {root})")
+        elif not options.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        results.append(row)
     failed = [r["seed"] for r in results if not r["ok"]]
     return {
         "sequences": results,
@@ -267,3 +379,8 @@ def run_sequences(
         "fault": options.drill.fault,
         "wall_s": round(time.monotonic() - started, 3),
     }
+
+
+def _op_word(op: Mapping[str, Any]) -> str:
+    """An operation as the report shows it: ``checkpoint!`` is one the controller blocks."""
+    return str(op["op"]) + ("!" if "block" in op else "")

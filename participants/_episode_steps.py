@@ -107,8 +107,15 @@ class EpisodeSteps:
         boundary: dict[str, Any] | None,
         deadline: EpisodeDeadline | None = None,
     ) -> TrackedEpisode:
-        """Track a new episode, at ``boundary`` when it continues a restored one."""
+        """Track a new episode, at ``boundary`` when it continues a restored one.
+
+        A restored episode admitted while a checkpoint is open stands at its boundary: it starts
+        parked, so it never blocks the prepare it arrived in (D218).
+        """
         episode = TrackedEpisode(key=key, boundary=boundary, deadline=deadline)
+        if boundary is not None and not self.accepting:
+            episode.state = "parked"
+            self._pace(episode)
         self.episodes[key] = episode
         self.changes.notify()
         return episode

@@ -372,34 +372,50 @@ class ControlPlane:
                 except BaseException:
                     await self._abandon_prepare()
                     raise
-        try:
-            await self._wait_ready(checkpoint_id, request.deadline_ts)
-        except BaseException:
-            with anyio.CancelScope(shield=True):
-                async with self.lock:
-                    if self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
-                        await self._abandon_prepare()
-            raise
-        async with self.lock:
-            if self.checkpoint_id != checkpoint_id:
-                return PrepareReply(phase=self.phase, report=self.report())
-            replay = self._results.get((checkpoint_id, PhaseEvent.PREPARE.value))
-            if replay is not None and isinstance(replay[1], PrepareReply):
-                return replay[1]
-            if self.phase is not Phase.PREPARING:
-                return PrepareReply(phase=self.phase, report=self.report())
-            report = self.report()
-            if report.ready:
-                self.transition(PhaseEvent.READY)
-                reply = PrepareReply(phase=self.phase, report=report)
-                return self.store_result(checkpoint_id, PhaseEvent.PREPARE, None, reply)
-            self.telemetry.event(
-                "prepare_not_ready",
-                checkpoint_id=checkpoint_id,
-                blocker_count=report.blocker_count,
-                blockers=report.blockers[:10],
-            )
-            return PrepareReply(phase=self.phase, report=report)
+        regressed: int | None = None
+        while True:
+            try:
+                if regressed is not None:  # wait for the change that may make it ready again
+                    wake_at = min(
+                        request.deadline_ts,
+                        self.clock.time() + self.settings.readiness_poll_seconds,
+                    )
+                    changes = self.participant.changes
+                    await wait_until(
+                        self.clock, wake_at, functools.partial(changes.wait_past, regressed)
+                    )
+                await self._wait_ready(checkpoint_id, request.deadline_ts)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    async with self.lock:
+                        if self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
+                            await self._abandon_prepare()
+                raise
+            async with self.lock:
+                if self.checkpoint_id != checkpoint_id:
+                    return PrepareReply(phase=self.phase, report=self.report())
+                replay = self._results.get((checkpoint_id, PhaseEvent.PREPARE.value))
+                if replay is not None and isinstance(replay[1], PrepareReply):
+                    return replay[1]
+                if self.phase is not Phase.PREPARING:
+                    return PrepareReply(phase=self.phase, report=self.report())
+                report = self.report()
+                if report.ready:
+                    self.transition(PhaseEvent.READY)
+                    reply = PrepareReply(phase=self.phase, report=report)
+                    return self.store_result(checkpoint_id, PhaseEvent.PREPARE, None, reply)
+                if self.clock.time() < request.deadline_ts:
+                    # Readiness regressed between the wait and the lock (a restored episode
+                    # admitted meanwhile, say): only the deadline ends a prepare not ready (D218).
+                    regressed = self.participant.changes.version
+                    continue
+                self.telemetry.event(
+                    "prepare_not_ready",
+                    checkpoint_id=checkpoint_id,
+                    blocker_count=report.blocker_count,
+                    blockers=report.blockers[:10],
+                )
+                return PrepareReply(phase=self.phase, report=report)
 
     async def _abandon_prepare(self) -> None:
         """A close or readiness wait failed: reopen; the id may try again."""

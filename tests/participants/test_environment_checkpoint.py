@@ -178,6 +178,44 @@ async def test_restore_into_a_process_that_already_served_is_refused(tmp_path: P
         assert (await second.outcome("r8")).result is not None
 
 
+async def test_a_restored_episode_admitted_while_closed_never_blocks_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    # The replacement's /run may arrive while a later checkpoint is open: it stands at its
+    # restored boundary, so readiness must not regress, not even for one scheduling step.
+    async with environment(tmp_path) as first:
+        await _park_at_second_activation(first)
+        await first.commit("c1", ["r1"])
+    async with environment(tmp_path) as second:
+        await second.plane.restore(
+            RestoreRequest(
+                checkpoint_id="r-1",
+                deadline_ts=soon(),
+                checkpoint_dir=str(tmp_path / "c1"),
+                episode_ids=[ep("r1")],
+            )
+        )
+        await second.resume("r-1")
+        assert await second.prepare("c2") is Phase.PREPARED
+        seen: list[bool] = []
+        notify = second.participant.changes.notify
+
+        def notify_and_record() -> None:
+            seen.append(second.participant.ready())
+            notify()
+
+        second.participant.changes.notify = notify_and_record  # type: ignore[method-assign]
+        second.start("r1-a1")
+        await settle()
+        assert seen and all(seen), seen
+        assert second.participant.steps.episodes["r1-a1"].state == "parked"
+        (record,) = await second.commit("c2", ["r1-a1"])  # still ready: the commit goes ahead
+        assert record["boundary"]["next"] == "invoke_agent"
+        await second.resume("c2")
+        assert (await second.outcome("r1-a1")).result is not None
+    assert second.peers.names("r1-a1") == ["activate", "verify", "close"]
+
+
 async def test_the_episode_deadline_stops_while_a_checkpoint_holds_the_episode(
     tmp_path: Path,
 ) -> None:

@@ -89,6 +89,45 @@ async def test_prepare_past_its_deadline_stays_closed_and_caps_blockers(tmp_path
         assert any(e["event"] == "checkpoint.prepare_not_ready" for e in logs)
 
 
+async def test_readiness_regressing_before_the_deadline_keeps_the_prepare_waiting(
+    tmp_path: Path,
+) -> None:
+    # The quick check says ready, the report under the lock does not (an episode became a
+    # blocker in between): that is no "not ready" reply, since only the deadline ends a prepare.
+    async with harness(tmp_path) as h:
+        h.fake.ready = lambda: True  # type: ignore[method-assign]
+        h.fake.start(ep("a"))
+        h.fake.begin_step("a")
+        with capture_logs() as logs:
+            h.spawn("prepare", lambda: h.plane.prepare(req(deadline=NOW + 10)))
+            await h.settle()
+            assert "prepare" not in h.outcomes
+            assert h.plane.phase is Phase.PREPARING
+            h.fake.end_step("a")  # the change that makes it ready again
+            await h.settle()
+        assert h.outcomes["prepare"].phase is Phase.PREPARED
+        assert not any(e["event"] == "checkpoint.prepare_not_ready" for e in logs)
+
+
+async def test_readiness_that_stays_regressed_ends_the_prepare_at_its_deadline(
+    tmp_path: Path,
+) -> None:
+    async with harness(tmp_path) as h:
+        h.fake.ready = lambda: True  # type: ignore[method-assign]
+        h.fake.start(ep("a"))
+        h.fake.begin_step("a")
+        h.spawn("prepare", lambda: h.plane.prepare(req(deadline=NOW + 10)))
+        await h.settle()
+        h.clock.advance(5)  # a poll past the regression: still not ready, still waiting
+        await h.settle()
+        assert "prepare" not in h.outcomes
+        h.clock.advance(5)
+        await h.settle()
+        reply = h.outcomes["prepare"]
+        assert reply.phase is Phase.PREPARING
+        assert reply.report.blockers == ["a"]
+
+
 async def test_resume_interrupts_a_waiting_prepare_then_the_id_is_stale(tmp_path: Path) -> None:
     async with harness(tmp_path) as h:
         h.fake.start(ep("a"))

@@ -77,7 +77,9 @@ class SequenceDriver(Driver):
         self.control = CheckedControl(cluster, token, self)
         self.ops = ops
         self.first_index = first_index
-        self.taken = 0
+        self.tried = (
+            0  # checkpoint ids of this incarnation: a blocked one's id is resumed, never reused
+        )
         self.running: set[str] = set()
         self.fenced: dict[str, int] = {}
         self.step = -1
@@ -136,11 +138,12 @@ class SequenceDriver(Driver):
                         if await self.control.model_calls_in_flight() > 0:
                             break
                         await anyio.sleep(0.01)
-            published = await self.checkpoint(self.taken, block=op.get("block"))
+            index = self.tried
+            self.tried += 1
+            published = await self.checkpoint(index, block=op.get("block"))
             if published:
-                self.taken += 1
                 directory = self.control.checkpoint_dir(
-                    self.root, f"ckpt-{self.plan.phase}-{self.taken - 1}"
+                    self.root, f"ckpt-{self.plan.phase}-{index}"
                 )
                 problems = await anyio.to_thread.run_sync(verify_checkpoint, directory)
                 for problem in problems:

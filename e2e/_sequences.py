@@ -85,7 +85,7 @@ def plan_sequence(
     ``max_crashes`` crashes are drawn (an extra one becomes a checkpoint). A second generator,
     seeded from the same seed, marks about ``BLOCK_SHARE`` of the checkpoint and crash operations
     ``block``: the controller then treats that prepare as blocked by one attempt of its scope
-    (``block`` picks which), so the rarer outcome of a checkpoint runs every time (D219). The
+    (``block`` picks which), so the rarer outcome of a checkpoint runs every time (D220). The
     operation names a seed draws are the same as before the marks existed.
     """
     rng = random.Random(seed)  # noqa: S311 - a reproducible plan, not a secret
@@ -116,7 +116,7 @@ NAMED_CASES: Final[Mapping[str, list[dict[str, Any]]]] = {
     # crash (index 5), right after the first restore, is blocked by the first attempt of its
     # scope (r000-a2, restored): the controller resumes, retires it, reruns it from input as
     # r000-a3, crashes and restores the first checkpoint again, so every restored attempt runs
-    # in a second incarnation (D218, D219).
+    # in a second incarnation (D218, D219, D220).
     "blocked-after-restore": [
         {"op": "start", "count": 1},
         {"op": "start", "count": 3},

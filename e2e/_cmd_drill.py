@@ -17,7 +17,8 @@ from participants import RESOURCES_MODES, VERIFY_MODES
 from ._drill import FAULTS, DrillOptions, run_drill
 from ._oracle import ERROR_FIGURES
 from ._output import JsonOption, console, emit, error_console
-from ._sequences import NAMED_CASES, REFERENCE_LENGTH, REFERENCE_ROLLOUTS
+from ._sequence_cases import NAMED_CASES
+from ._sequences import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
 
 SHOWN = (
     "rollouts",

@@ -17,7 +17,8 @@ import pytest
 
 from e2e._evidence import read_evidence
 from e2e._oracle import calls_by_incarnation
-from e2e._sequences import NAMED_CASES, OPERATION_WEIGHTS, plan_sequence
+from e2e._sequence_cases import NAMED_CASES
+from e2e._sequences import OPERATION_WEIGHTS, plan_sequence
 
 pytestmark = pytest.mark.process
 

@@ -51,7 +51,6 @@ def _commit(key: str, turn: int) -> CaptureLedgerCommit:
         ]
     call = f"call-{turn}"
     record = CallRecord(
-        rollout_id=key,
         model_call_id=call,
         parent_call_id=None if turn == 0 else f"call-{turn - 1}",
         staging_key=f"staging/{key}/{call}",

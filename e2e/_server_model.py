@@ -310,7 +310,6 @@ class PolicyServer:
         assert coords.cumulative_hash is not None
         parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
         record = CallRecord(
-            rollout_id=key,
             model_call_id=ticket.model_call_id,
             parent_call_id=coords.parent_call_id,
             staging_key=coords.staging_key,

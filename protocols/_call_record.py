@@ -2,22 +2,18 @@
 
 A worker stages a call's tokens under a staging key and acknowledges it with coordinates; the
 policy server keeps those coordinates, without tokens, in the capture ledger, and a rollout's
-manifest lists one ``CallRecord`` per committed call. Field names follow the reference exactly.
+manifest lists one ``CallRecord`` per committed call. The fields are exactly the reference's
+(policy-model-and-ledger §2.4/§2.5 and errata 7.1), so a client whose ``CallRecord`` forbids extra
+fields reads every manifest: the capture key a record belongs to is the manifest's ``rollout_id``,
+and where a carried-over call was staged is named by its ``staging_key`` (D221, D222).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Self
+from typing import Annotated, Literal, Self
 
-from pydantic import (
-    AfterValidator,
-    BaseModel,
-    ConfigDict,
-    Field,
-    model_serializer,
-    model_validator,
-)
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 _HEX64 = r"^[0-9a-f]{64}$"
 
@@ -35,7 +31,6 @@ class CallRecord(BaseModel):
         schema_version: Always 2.
         digest_version: The staging-digest layout version; always 2.
         extras_digest_version: The extras-digest layout version; always 1.
-        rollout_id: The capture key whose ledger holds the call.
         model_call_id: The call's id, unique within the ledger.
         parent_call_id: The call this one continues; ``None`` for a root.
         staging_key: Where the worker staged the call's token delta.
@@ -53,8 +48,6 @@ class CallRecord(BaseModel):
         output_fingerprint: Fingerprint of the call's output, when known.
         continuation_fingerprint: Fingerprint a continuation of this call presents, when known.
         fingerprint_version: The fingerprint algorithm version.
-        capture_key: The capture key the call was staged under, set only on rows carried over by
-            a restore; omitted from the JSON form when unset.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -62,7 +55,6 @@ class CallRecord(BaseModel):
     schema_version: Literal[2] = 2
     digest_version: Literal[2] = 2
     extras_digest_version: Literal[1] = 1
-    rollout_id: str = Field(min_length=1)
     model_call_id: str = Field(min_length=1)
     parent_call_id: str | None = Field(default=None, min_length=1)
     staging_key: str = Field(min_length=1)
@@ -80,7 +72,6 @@ class CallRecord(BaseModel):
     output_fingerprint: str | None = None
     continuation_fingerprint: str | None = None
     fingerprint_version: int = Field(ge=0)
-    capture_key: str | None = Field(default=None, min_length=1)
 
     @model_validator(mode="after")
     def _lineage_is_consistent(self) -> Self:
@@ -93,11 +84,3 @@ class CallRecord(BaseModel):
                 "prev_len > 0 and mode 'token_in'"
             )
         return self
-
-    @model_serializer(mode="wrap")
-    def _omit_unset_capture_key(self, handler: Any) -> dict[str, Any]:
-        # Manifests without carried-over rows keep the reference shape exactly.
-        data: dict[str, Any] = handler(self)
-        if data.get("capture_key") is None:
-            data.pop("capture_key", None)
-        return data

@@ -142,6 +142,8 @@ class CustodyRow(BaseModel):
     output_fingerprint: str | None = None
     continuation_fingerprint: str | None = None
     fingerprint_version: int
+    # Set on rows carried over by a restore: the capture key the call was staged under. It stays
+    # in the ledger and the checkpoint; a manifest never shows it (D222).
     capture_key: str | None = None
 
 
@@ -215,8 +217,6 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
         "continuation_fingerprint": record.continuation_fingerprint,
         "fingerprint_version": record.fingerprint_version,
     }
-    if record.capture_key is not None:
-        row["capture_key"] = record.capture_key
     return row
 
 
@@ -277,21 +277,28 @@ def manifest_from_rows(rollout_id: str, rows: Iterable[Mapping[str, Any]]) -> Ro
                 ManifestFailure(model_call_id=call_id, reason=LEDGER_ROW_MISSING_CHAIN_HASH_REASON)
             )
         else:
-            records.append(_call_record(rollout_id, row))
+            records.append(_call_record(row))
     return RolloutManifest(rollout_id=rollout_id, records=records, failures=failures)
 
 
 _ROW_ONLY_FIELDS: Final = frozenset(
-    {"fingerprint", "context_len", "context_digest", "digest", "staging_digest", "staging_chain"}
+    {
+        "fingerprint",
+        "context_len",
+        "context_digest",
+        "digest",
+        "staging_digest",
+        "staging_chain",
+        # A carried-over row's stamp stays in the ledger and the checkpoint; a manifest names
+        # where the call was staged by its staging_key alone (D222).
+        "capture_key",
+    }
 )
 
 
-def _call_record(rollout_id: str, row: Mapping[str, Any]) -> CallRecord:
+def _call_record(row: Mapping[str, Any]) -> CallRecord:
     fields = {key: value for key, value in row.items() if key not in _ROW_ONLY_FIELDS}
     fields["digest"] = row["staging_digest"]
-    fields["rollout_id"] = rollout_id
-    if fields.get("capture_key") is None:
-        fields.pop("capture_key", None)
     return CallRecord.model_validate(fields)
 
 

@@ -101,6 +101,44 @@ async def test_a_manifest_for_another_rollout_is_rejected() -> None:
         await client.aclose()
 
 
+REFERENCE_RECORD = {
+    "schema_version": 2,
+    "digest_version": 2,
+    "extras_digest_version": 1,
+    "model_call_id": "c1",
+    "parent_call_id": None,
+    "staging_key": "mine/c1",
+    "weight_version": 0,
+    "prev_len": 0,
+    "delta_len": 3,
+    "cum_len": 3,
+    "digest": "ab" * 32,
+    "extras_digest": "cd" * 32,
+    "mode": "text",
+    "admitted_at": 1.5,
+    "chain_hash": "ef" * 32,
+    "cumulative_hash": "01" * 32,
+    "response_id": "resp-c1",
+    "output_fingerprint": None,
+    "continuation_fingerprint": None,
+    "fingerprint_version": 1,
+}
+"""A manifest record as the reference's ``CallRecord`` writes it: no ``rollout_id`` (D221)."""
+
+
+async def test_a_manifest_shaped_as_the_references_is_read() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        body = {"schema_version": 2, "rollout_id": "mine", "records": [REFERENCE_RECORD]}
+        return httpx.Response(200, json={**body, "failures": []})
+
+    client = LedgerClient("http://x", capture_token=TOKEN, transport=httpx.MockTransport(handler))
+    try:
+        manifest = await client.manifest("mine")
+    finally:
+        await client.aclose()
+    assert manifest.records[0].model_dump(mode="json") == REFERENCE_RECORD
+
+
 async def test_a_wrong_token_is_unauthorized(setup) -> None:  # type: ignore[no-untyped-def]
     _, _, recorder, _ = setup
     client = LedgerClient("http://policy", capture_token="nope", transport=recorder)

@@ -181,7 +181,9 @@ async def test_a_restore_imports_rows_under_the_next_attempt_and_fences_the_cras
         again = await chat(client, "r1-a1", messages)
         manifest = (await client.get(MANIFEST.format("r1-a1"), headers=AUTH)).json()
     records = manifest["records"]
-    assert [r.get("capture_key") for r in records] == ["r1", "r1", None]
+    # Carried rows keep the reference shape (D222): their staging keys name where they were staged.
+    assert all("capture_key" not in r and "rollout_id" not in r for r in records)
+    assert [r["staging_key"].split("/")[0] for r in records] == ["r1", "r1", "r1-a1"]
     assert records[2]["parent_call_id"] == delivered[1]["model_call_id"]
     chain = [r["staging_key"] for r in records]
     assert staged_tokens(tmp_path, chain) == encode(render_prompt(messages)) + encode(

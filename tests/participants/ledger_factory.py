@@ -33,7 +33,6 @@ def commit(
     rollout: str = "r",
     delta: int = 5,
     response_id: str | None = None,
-    capture_key: str | None = None,
     output: str | None = None,
 ) -> CaptureLedgerCommit:
     """The commit of call ``turn`` (0-based) of a linear conversation, parent = turn - 1."""
@@ -42,7 +41,6 @@ def commit(
     call = call_id or f"call-{turn}"
     prev_len = delta * turn
     record = CallRecord(
-        rollout_id=key,
         model_call_id=call,
         parent_call_id=None if turn == 0 else f"call-{turn - 1}",
         staging_key=f"stage/{key}/{call}",
@@ -58,7 +56,6 @@ def commit(
         cumulative_hash=hex64("cum", key, call, output),
         response_id=response_id or f"resp-{call}",
         fingerprint_version=FINGERPRINT_VERSION,
-        capture_key=capture_key,
     )
     chain = (*(f"stage/{key}/call-{t}" for t in range(turn)), record.staging_key)
     return CaptureLedgerCommit.model_validate(

@@ -1,4 +1,4 @@
-"""CallRecord: version fields, lineage rules, strict digests, capture_key only when set."""
+"""CallRecord: version fields, lineage rules, strict digests, exactly the reference's fields."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ HEX = "ab" * 32
 
 def fields(**changes: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "rollout_id": "r",
         "model_call_id": "c1",
         "parent_call_id": "c0",
         "staging_key": "s/c1",
@@ -65,8 +64,15 @@ def test_invalid_records_fail(changes: dict[str, Any]) -> None:
         CallRecord(**fields(**changes))
 
 
-def test_capture_key_is_emitted_only_when_set() -> None:
-    assert "capture_key" not in CallRecord(**fields()).model_dump(mode="json")
-    carried = CallRecord(**fields(capture_key="r"))
-    assert carried.model_dump(mode="json")["capture_key"] == "r"
-    assert CallRecord.model_validate(carried.model_dump(mode="json")) == carried
+@pytest.mark.parametrize("extra", [{"rollout_id": "r"}, {"capture_key": "r"}])
+def test_neither_the_rollout_id_nor_a_capture_key_is_a_record_field(extra: dict[str, Any]) -> None:
+    # The reference's CallRecord has neither (D221, D222): the manifest names the capture key.
+    with pytest.raises(ValidationError):
+        CallRecord(**fields(**extra))
+    assert set(CallRecord(**fields()).model_dump(mode="json")) == set(fields()) | {
+        "schema_version",
+        "digest_version",
+        "extras_digest_version",
+        "output_fingerprint",
+        "continuation_fingerprint",
+    }

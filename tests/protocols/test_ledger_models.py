@@ -9,6 +9,7 @@ from protocols import (
     LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     InvalidRolloutIdError,
     LedgerBatchRequest,
+    RolloutManifest,
     custody_row,
     failure_row,
     manifest_from_rows,
@@ -38,13 +39,49 @@ def test_batches_refuse_bare_strings_and_dedupe_keeping_the_first() -> None:
         validate_ledger_keys(["a", "b", "../c"])
 
 
+REFERENCE_CALL_RECORD_FIELDS = {
+    "schema_version",
+    "digest_version",
+    "extras_digest_version",
+    "model_call_id",
+    "parent_call_id",
+    "staging_key",
+    "weight_version",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "digest",
+    "extras_digest",
+    "mode",
+    "admitted_at",
+    "chain_hash",
+    "cumulative_hash",
+    "response_id",
+    "output_fingerprint",
+    "continuation_fingerprint",
+    "fingerprint_version",
+}
+"""The reference's ``CallRecord`` (policy-model-and-ledger §2.4/§2.5, errata 7.1), field for field."""
+
+
 def test_custody_rows_round_trip_to_call_records() -> None:
-    work = commit("r", 1, capture_key="r0")
+    work = commit("r", 1)
     row = custody_row(work)
     assert "cumulative_token_ids" not in row and row["staging_digest"] == work.record.digest
     assert validate_row(row) == row
     manifest = manifest_from_rows("r", [row])
     assert manifest.records == [work.record]
+
+
+def test_manifest_records_have_exactly_the_reference_fields_carried_rows_too() -> None:
+    plain = custody_row(commit("r-a1", 1))
+    carried = dict(custody_row(commit("r", 0)), capture_key="r")  # stamped by a restore
+    assert validate_row(carried) == carried  # the ledger and the checkpoint keep the stamp
+    manifest = manifest_from_rows("r-a1", [carried, plain])
+    for record in manifest.model_dump(mode="json")["records"]:
+        assert set(record) == REFERENCE_CALL_RECORD_FIELDS
+    # ...and a record shaped as the reference's parses back as ours (coordinator.LedgerClient).
+    assert RolloutManifest.model_validate_json(manifest.model_dump_json()) == manifest
 
 
 def test_manifest_reports_failures_and_skips_lineage_only_rows() -> None:

@@ -174,7 +174,7 @@ class ControlSession:
         return result
 
     async def leftover(self, root: Path) -> dict[str, int]:
-        """What is still alive at the end: phases, marks, live work, ledgers of finished attempts."""
+        """What is still alive at the end: phases, marks, fences, live work, finished ledgers."""
         left: dict[str, int] = {}
         for role in PARTICIPANT_ROLES:
             for server in self.cluster.by_role(role):  # type: ignore[arg-type]
@@ -186,6 +186,8 @@ class ControlSession:
                 )
                 left[f"{server.name}.open"] = int(status["phase"] != "idle")
                 left[f"{server.name}.retire_marks"] = int(status["retired_rollouts"])
+                # Counted apart from retire marks (D223); the final retire and forget end them.
+                left[f"{server.name}.restore_fences"] = int(status.get("restore_fences", 0))
                 left[f"{server.name}.live"] = live
         ledger = root / "ledger"
         left["live_ledgers"] = len(list(ledger.glob("*.lineage.jsonl"))) if ledger.exists() else 0

@@ -72,7 +72,7 @@ class ControlSettings:
         max_deadline_seconds: A ``deadline_ts`` further ahead than this is ``invalid_request``.
         resume_retry_seconds: After a lease expiry could not reopen, try again this much later.
         readiness_poll_seconds: A waiting prepare re-checks readiness at least this often.
-        fence_on_restore: Whether a restore raises the marks of its scope (attempt N). Only the
+        fence_on_restore: Whether a restore fences its scope (attempt N). Only the
             drill's ``no-restore-fence`` fault turns it off, to show that the drill notices.
     """
 
@@ -319,7 +319,7 @@ class ControlPlane:
         return reply
 
     async def status(self) -> StatusReply:
-        """The participant's phase, lease, marks and readiness."""
+        """The participant's phase, lease, retire marks, restore fences and readiness."""
 
         async def work() -> StatusReply:
             async with self.lock:
@@ -332,7 +332,9 @@ class ControlPlane:
                         "phase": self.phase,
                         "checkpoint_id": self.checkpoint_id,
                         "lease_expires_at": self.lease_expires_at,
-                        "retired_rollouts": len(self.marks),
+                        "retired_rollouts": self.marks.retired_rollouts,
+                        # An extra of every kind: restore fences are not retire marks (D223).
+                        "restore_fences": self.marks.fenced_rollouts,
                         "report": self.report(),
                     }
                 )

@@ -358,9 +358,10 @@ class RestoreProcedure:
             plane.checkpoint_id = request.checkpoint_id
             plane.transition(PhaseEvent.RESTORE)
             plane.renew_lease(deadline)
-            # Restore fences attempt N: late work of the crashed attempt gets stale_attempt.
+            # Restore fences attempt N: late work of the crashed attempt gets stale_attempt. A
+            # fence is not a retire mark: forget, or a retire that reaches it, ends it (D224).
             if plane.settings.fence_on_restore:
-                plane.marks.raise_to(scope)
+                plane.marks.fence(scope)
                 await participant.mark_retired(scope)
             participant.changes.notify()
             reply = RestoreReply(

@@ -399,7 +399,11 @@ class WorkerCoordinator(BaseParticipant):
         await self._fan_out("retire", episode_id.model_dump(mode="json"), within=3600.0)
 
     async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
-        """Send every worker the whole, current set of marks."""
+        """Send every worker the whole, current set of refusals (retire marks and restore fences).
+
+        A worker only refuses; the coordinator's control plane is the one that counts the two
+        apart in status, so the workers get them merged.
+        """
         await self._fan_out("marks", dict(self.marks.snapshot()))
 
     async def forget(self, rollout_ids: Sequence[str]) -> None:

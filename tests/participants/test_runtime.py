@@ -407,7 +407,38 @@ async def test_restore_installs_next_attempts_and_fences_the_checkpointed_ones(
         h.fake.start(ep("a", 1))
         assert h.fake.episodes["a-a1"].step == 3
         status = await h.plane.status()
-        assert status.retired_rollouts == 2
+        # Fences, not retire marks: a controller forgetting only what it retired sees 0 (D223).
+        assert status.retired_rollouts == 0
+        assert status.model_extra is not None and status.model_extra["restore_fences"] == 2
+
+
+async def test_a_restore_fence_ends_with_forget_or_a_retire_that_reaches_it(tmp_path: Path) -> None:
+    directory = await _committed_checkpoint(tmp_path)
+    async with harness(tmp_path) as h:
+        # "z" is in the scope but not in the checkpoint: it is fenced all the same (D18), and
+        # its fence ends the same ways (D224).
+        await h.plane.restore(restore_req(directory, [ep("a"), ep("b", 1), ep("z", 2)]))
+        await h.plane.resume(req("r1"))
+        assert h.plane.marks.restore_fences() == {"a": 0, "b": 1, "z": 2}
+        h.fake.start(ep("a", 1))  # the restored attempt runs...
+        await h.plane.retire(retire_req([ep("a", 1)]))  # ...and the controller retires it
+        assert (h.plane.marks.retire_marks(), h.plane.marks.restore_fences()) == (
+            {"a": 1},
+            {"b": 1, "z": 2},
+        )
+        await h.plane.retire(retire_req([ep("b", 0)]))  # a mark below the fence leaves it
+        with pytest.raises(StaleAttemptError, match="fenced by a restore"):
+            h.fake.start(ep("b", 1))
+        await h.plane.forget(forget_req(["a", "b"]))
+        status = await h.plane.status()
+        assert status.retired_rollouts == 0
+        assert status.model_extra is not None and status.model_extra["restore_fences"] == 1
+        with pytest.raises(StaleAttemptError, match="fenced by a restore"):
+            h.fake.start(ep("z", 2))  # late work of a fenced attempt is still refused
+        await h.plane.forget(forget_req(["z"]))
+        assert h.plane.marks.snapshot() == {}
+        h.fake.start(ep("z", 0))
+        h.fake.start(ep("b", 0))
 
 
 async def test_restore_scope_filters_records(tmp_path: Path) -> None:

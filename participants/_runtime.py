@@ -36,7 +36,6 @@ from protocols import (
     ForgetReply,
     ForgetRequest,
     InvalidPhaseError,
-    InvalidRequestError,
     MidflightError,
     Phase,
     PhaseEvent,
@@ -61,6 +60,7 @@ from ._telemetry import ControlTelemetry
 from ._transfer import CommitProcedure, RestoreProcedure
 
 R = TypeVar("R", bound=BaseModel)
+Q = TypeVar("Q", bound=CheckpointRequest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,8 @@ class ControlSettings:
 
     Attributes:
         lease_grace_seconds: A lease lasts until ``deadline_ts`` plus this.
-        max_deadline_seconds: A ``deadline_ts`` further ahead than this is ``invalid_request``.
+        max_deadline_seconds: The horizon: a ``deadline_ts`` further ahead is accepted and treated
+            as this far ahead (the call's own work and the lease are bounded by it).
         resume_retry_seconds: After a lease expiry could not reopen, try again this much later.
         readiness_poll_seconds: A waiting prepare re-checks readiness at least this often.
         fence_on_restore: Whether a restore fences its scope (attempt N). Only the
@@ -162,14 +163,17 @@ class ControlPlane:
 
     # ----------------------------------------------------------------- shared rules
 
-    def check_deadline(self, deadline_ts: float) -> None:
-        """Refuse a deadline further ahead than the configured horizon."""
+    def bounded(self, request: Q) -> Q:
+        """``request`` with its deadline capped at the horizon, ``max_deadline_seconds`` from now.
+
+        Any finite deadline is accepted, as in the reference; this participant works under, and
+        leases until, at most the horizon (plus the grace), so a far deadline from a controller
+        that then died cannot keep admission closed for longer than that (D225).
+        """
         horizon = self.clock.time() + self.settings.max_deadline_seconds
-        if deadline_ts > horizon:
-            raise InvalidRequestError(
-                f"deadline_ts {deadline_ts} is more than {self.settings.max_deadline_seconds:g} s "
-                "ahead; send an absolute deadline in the near future"
-            )
+        if request.deadline_ts <= horizon:
+            return request
+        return request.model_copy(update={"deadline_ts": horizon})
 
     def admit(
         self, checkpoint_id: str, event: PhaseEvent, args: Hashable = None
@@ -356,7 +360,7 @@ class ControlPlane:
         return reply
 
     async def _prepare(self, request: CheckpointRequest) -> PrepareReply:
-        self.check_deadline(request.deadline_ts)
+        request = self.bounded(request)
         checkpoint_id = request.checkpoint_id
         async with self.lock:
             await self.expire_lease_if_due()
@@ -461,7 +465,7 @@ class ControlPlane:
         )
 
     async def _resume(self, request: CheckpointRequest) -> ResumeReply:
-        self.check_deadline(request.deadline_ts)
+        request = self.bounded(request)
         checkpoint_id = request.checkpoint_id
         async with self.lock:
             await self.expire_lease_if_due()
@@ -483,7 +487,7 @@ class ControlPlane:
         return await self.instrumented("renew", request.checkpoint_id, lambda: self._renew(request))
 
     async def _renew(self, request: CheckpointRequest) -> RenewReply:
-        self.check_deadline(request.deadline_ts)
+        request = self.bounded(request)
         async with self.lock:
             await self.expire_lease_if_due()
             self.admit(request.checkpoint_id, PhaseEvent.RENEW)
@@ -512,7 +516,7 @@ class ControlPlane:
         return reply
 
     async def _retire(self, request: RetireRequest) -> RetireReply:
-        self.check_deadline(request.deadline_ts)
+        request = self.bounded(request)
         deadline = request.deadline_ts
         async with self.lock:
             await self.expire_lease_if_due()
@@ -544,7 +548,7 @@ class ControlPlane:
         )
 
     async def _forget(self, request: ForgetRequest) -> ForgetReply:
-        self.check_deadline(request.deadline_ts)
+        request = self.bounded(request)
         rollout_ids = sorted(set(request.rollout_ids))
         async with self.lock:
             await self.expire_lease_if_due()

@@ -112,7 +112,7 @@ class CommitProcedure:
     async def run(self, request: CommitRequest) -> CommitReply:
         """Run (or rejoin) the commit of ``request.checkpoint_id``."""
         plane = self._plane
-        plane.check_deadline(request.deadline_ts)
+        request = plane.bounded(request)
         directory = checkpoint_path(request.checkpoint_dir)
         scope = request.episode_ids
         scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
@@ -294,7 +294,7 @@ class RestoreProcedure:
         """Run the restore of ``request.checkpoint_id``."""
         plane = self._plane
         participant = plane.participant
-        plane.check_deadline(request.deadline_ts)
+        request = plane.bounded(request)
         directory = checkpoint_path(request.checkpoint_dir)
         scope = list(request.episode_ids)
         scope_keys = sorted_capture_keys(scope)

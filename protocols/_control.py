@@ -21,6 +21,7 @@ MAX_REPORTED_BLOCKERS: Final = 100
 RESUMED_IDS_REMEMBERED: Final = 64
 DEFAULT_LEASE_GRACE_SECONDS: Final = 600.0
 DEFAULT_MAX_DEADLINE_SECONDS: Final = 3600.0
+"""A participant's default horizon: a later ``deadline_ts`` is accepted and capped here (D225)."""
 COORDINATION_REPLY_SLACK_SECONDS: Final = 5.0
 RESTORE_CLEANUP_MIN_SECONDS: Final = 30.0
 

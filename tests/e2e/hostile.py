@@ -48,8 +48,9 @@ Role = Literal["worker", "model", "resources", "agent", "environment"]
 HOSTILE_CONTROL_SETTINGS: Final = ControlSettings(
     lease_grace_seconds=0.5, max_deadline_seconds=2.0, resume_retry_seconds=0.5
 )
-"""A short lease and a short deadline horizon: a prepare the fuzzer manages to open closes
-admission for at most ~2.5 s, so the data-plane routes it shuts keep answering."""
+"""A short lease and a short deadline horizon: a prepare the fuzzer manages to open (with any
+deadline: a far one is capped at the horizon) closes admission for at most ~2.5 s, so the
+data-plane routes it shuts keep answering."""
 EPISODE_SECONDS: Final = 1.0
 """The environment's per-attempt budget: a generated task of 1000 x 1000 turns ends quickly."""
 ADMISSION_WAIT_SECONDS: Final = 3.0

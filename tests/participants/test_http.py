@@ -134,11 +134,17 @@ async def test_malformed_bodies_get_422_in_the_envelope(
         ("forget", {"checkpoint_id": "c", "deadline_ts": NOW, "rollout_ids": "a"}),
         ("restore", {"checkpoint_id": "c", "deadline_ts": NOW, "checkpoint_dir": "/x"}),
         ("commit", {"checkpoint_id": "c", "deadline_ts": NOW, "checkpoint_dir": ""}),
-        ("prepare", {"checkpoint_id": "c", "deadline_ts": NOW + 7200}),
     ],
 )
 async def test_route_specific_invalid_requests(client: Client, route: str, body: Any) -> None:
     assert _error(await client.call(route, body)) == (422, "invalid_request")
+
+
+async def test_a_deadline_hours_ahead_is_accepted(client: Client) -> None:
+    # Any finite deadline, as in the reference (D225): the lease is capped at the horizon.
+    reply = await client.call("prepare", {"checkpoint_id": "c", "deadline_ts": NOW + 7200})
+    assert reply.status_code == 200 and reply.json()["phase"] == "prepared", reply.text
+    assert client.plane.lease_expires_at == NOW + 3600 + 600
 
 
 async def test_a_full_cycle_over_http(client: Client, tmp_path: Path) -> None:

@@ -247,11 +247,27 @@ async def test_a_relative_checkpoint_dir_is_invalid(tmp_path: Path) -> None:
             await h.plane.commit(commit_req("relative/dir", []))
 
 
-async def test_a_deadline_too_far_ahead_is_invalid(tmp_path: Path) -> None:
+async def test_a_deadline_far_ahead_is_accepted_and_capped_at_the_horizon(tmp_path: Path) -> None:
+    # The reference accepts any finite deadline (D225); the work and the lease stop at the
+    # horizon (3600 s by default) plus the grace (600 s).
     async with harness(tmp_path) as h:
-        with pytest.raises(InvalidRequestError, match="ahead"):
-            await h.plane.prepare(req(deadline=NOW + 3601))
+        h.fake.start(ep("a"))
+        h.fake.begin_step("a")
+        h.spawn("prepare", lambda: h.plane.prepare(req(deadline=NOW + 86_400 * 365)))
+        await h.settle()
+        assert h.plane.lease_expires_at == NOW + 3600 + 600
+        h.clock.advance(3599)
+        await h.settle()
+        assert "prepare" not in h.outcomes  # still waiting for the episode to park
+        h.clock.advance(1)
+        await h.settle()
+        assert h.outcomes["prepare"].phase is Phase.PREPARING  # not ready at the horizon
+        renewed = await h.plane.renew(req(deadline=NOW + 1e12))
+        assert renewed.lease_expires_at == NOW + 3600 + 3600 + 600
+        await h.plane.resume(req(deadline=NOW + 1e12))
         assert h.fake.admission_open and h.plane.phase is Phase.IDLE
+        await h.plane.retire(retire_req([ep("a")]).model_copy(update={"deadline_ts": 1e15}))
+        assert (await h.plane.forget(forget_req(["a"]))).forgotten == ["a"]
 
 
 async def test_an_export_outliving_the_deadline_is_awaited_by_the_retry(tmp_path: Path) -> None:

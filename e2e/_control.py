@@ -163,12 +163,14 @@ class ControlSession:
         counts = status["report"]["counts"]
         return int(counts.get("inflight", 0))
 
-    async def ledger_manifest(self, capture_key: str) -> dict[str, Any]:
-        """The capture-ledger manifest of one attempt."""
+    async def ledger_manifest(self, capture_key: str) -> dict[str, Any] | None:
+        """The capture-ledger manifest of one attempt; ``None`` once its ledger is retired (410)."""
         reply = await self._http.get(
             self.cluster.url_of("model") + f"{LEDGER_PREFIX}/rollouts/{capture_key}/manifest",
             headers=self._auth,
         )
+        if reply.status_code == 410:
+            return None
         reply.raise_for_status()
         result: dict[str, Any] = reply.json()
         return result

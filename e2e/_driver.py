@@ -87,6 +87,7 @@ class Driver:
         self.evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
         self.state = ControllerState()
         self.in_flight: dict[str, int] = {}
+        self.settling: dict[str, int] = {}  # replied with a result, being accepted
         # Restored attempts not yet running: every commit names them (their replacement attempt)
         # until they start, or the commit deletes their restored state (control-plane §5).
         self.owed: dict[str, int] = {}
@@ -150,7 +151,17 @@ class Driver:
                 )
                 return
             result = reply.json()["result"]
+            # A retire waits for an episode in its final clean-up and lets its result through
+            # (control-plane §3.2 retire): an attempt this controller retired meanwhile is
+            # dropped, its ledger retired with it, and the rollout reruns as its next attempt.
+            if self.retired.get(rollout, -1) >= attempt:
+                await self.discard(episode, "retired while its reply was on the wire")
+                return
+            self.settling[rollout] = attempt  # no retire or forced block picks it from now on
             manifest = await self.control.ledger_manifest(episode.capture_key)
+            if manifest is None:
+                await self.discard(episode, "its ledger was retired before the manifest was read")
+                return
             await self.log(
                 {
                     "event": "result",
@@ -162,10 +173,28 @@ class Driver:
             )
             self.state.accepted[rollout] = {"attempt": attempt, "reward": result["reward"]}
         finally:
+            if self.settling.get(rollout) == attempt:
+                del self.settling[rollout]
             if self.in_flight.get(rollout) == attempt:
                 del self.in_flight[rollout]
             self.done_events[rollout].set()
             self.wake.set()
+
+    async def discard(self, episode: EpisodeId, why: str) -> None:
+        """Log that a result of ``episode`` was not accepted, and why."""
+        await self.log(
+            {
+                "event": "run_discarded",
+                "rollout": episode.rollout_id,
+                "attempt": episode.attempt,
+                "why": why,
+            }
+        )
+
+    def retirable(self) -> list[tuple[str, int]]:
+        """In-flight and owed attempts a retire may pick: not one whose result is being accepted."""
+        attempts = {**self.owed, **self.in_flight}
+        return sorted((r, a) for r, a in attempts.items() if self.settling.get(r) != a)
 
     def environment_url(self, rollout: str) -> str:
         """The environment that runs ``rollout``: the restart-only share has its own."""
@@ -203,7 +232,7 @@ class Driver:
         scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
         prepared = await self.control.prepare(checkpoint_id, deadline)
         forced: list[EpisodeId] = []
-        candidates = sorted({**self.owed, **self.in_flight}.items())  # none finished meanwhile
+        candidates = self.retirable()  # none finished meanwhile, none being accepted
         if block is not None and prepared.prepared and candidates:
             rollout, attempt = candidates[min(len(candidates) - 1, int(block * len(candidates)))]
             forced = [EpisodeId(rollout_id=rollout, attempt=attempt)]

@@ -156,11 +156,11 @@ class SequenceDriver(Driver):
 
     async def retire_one(self, pick: float) -> None:
         """Retire one in-flight attempt; it reruns as its next attempt (a straggler)."""
-        if not self.in_flight:
+        candidates = [(r, a) for r, a in self.retirable() if self.in_flight.get(r) == a]
+        if not candidates:
             return
-        rollouts = sorted(self.in_flight)
-        rollout = rollouts[min(len(rollouts) - 1, int(pick * len(rollouts)))]
-        episode = EpisodeId(rollout_id=rollout, attempt=self.in_flight[rollout])
+        rollout, attempt = candidates[min(len(candidates) - 1, int(pick * len(candidates)))]
+        episode = EpisodeId(rollout_id=rollout, attempt=attempt)
         self.retired[rollout] = episode.attempt
         await self.log({"event": "retire", "key": episode.capture_key})
         await self.control.retire(f"retire-seq-{self.plan.phase}-{self.step}", [episode])

@@ -195,6 +195,7 @@ class Deployment:
     async def tokens(self, capture_key: str) -> list[int]:
         """The final token sequence of an attempt: its ledger manifest and the staging store."""
         manifest = await self.control.ledger_manifest(capture_key)
+        assert manifest is not None, f"{capture_key}: its ledger is retired"
         return token_sequence(manifest["records"], self.root / "staging")
 
 

@@ -1,4 +1,7 @@
-"""The drill controller's commit scope: attempts in flight, and restored attempts it still owes.
+"""The drill controller's commit scope and what it accepts.
+
+Attempts in flight, and restored attempts it still owes, are in every commit scope; a result of an
+attempt the controller retired meanwhile is dropped (D227).
 
 A restored attempt whose ``/run`` has not started yet must still be named in every commit (by its
 replacement attempt), or the commit deletes its restored state (control-plane §5, step 5) and the
@@ -7,14 +10,17 @@ attempt then runs from its input again, repeating model calls. D192.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from coordinator import PrepareResult
 from e2e._cluster import default_cluster
 from e2e._driver import Driver, DriverPlan
+from e2e._evidence import read_evidence
 from protocols import EpisodeId
 
 pytestmark = pytest.mark.anyio
@@ -73,5 +79,79 @@ async def test_a_commit_names_restored_attempts_that_have_not_started(tmp_path: 
         driver.in_flight = {"r2": 0}
         assert await driver.checkpoint(0)
         assert control.scopes == [["r1-a1", "r2"]]
+    finally:
+        await driver.http.aclose()
+
+
+class _Ledger:
+    """The control session's ledger reads: a manifest per capture key, ``None`` once retired."""
+
+    def __init__(self, manifests: dict[str, dict[str, Any] | None]) -> None:
+        self.manifests = manifests
+
+    async def ledger_manifest(self, capture_key: str) -> dict[str, Any] | None:
+        return self.manifests.get(capture_key, {"records": []})
+
+
+def _driver_with_environment(
+    tmp_path: Path, on_run: Any, manifests: dict[str, dict[str, Any] | None]
+) -> Driver:
+    plan = DriverPlan(rollouts=["r1"], task_input={}, phase=0, checkpoints=0, crash_after=False)
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    driver.control = _Ledger(manifests)  # type: ignore[assignment]
+    driver.http = httpx.AsyncClient(transport=httpx.MockTransport(on_run))
+    return driver
+
+
+def _events(tmp_path: Path) -> list[dict[str, Any]]:
+    return read_evidence(tmp_path / "evidence" / "driver.jsonl")
+
+
+async def test_a_result_of_an_attempt_retired_while_its_reply_was_on_the_wire_is_dropped(
+    tmp_path: Path,
+) -> None:
+    # A retire waits for an episode in its final clean-up and lets its result through: the
+    # controller that retired the attempt must not accept it (its ledger goes with the retire).
+    driver: Driver
+
+    def on_run(request: httpx.Request) -> httpx.Response:
+        attempt = json.loads(request.content)["episode_id"]["attempt"]
+        if attempt == 0:
+            driver.retired["r1"] = 0  # the retire was sent while this reply was on the wire
+        return httpx.Response(200, json={"result": {"reward": 0.5}})
+
+    driver = _driver_with_environment(tmp_path, on_run, {})
+    try:
+        await driver.run_rollout("r1", 0)
+    finally:
+        await driver.http.aclose()
+    assert driver.state.accepted == {"r1": {"attempt": 1, "reward": 0.5}}
+    kinds = [(e["event"], e.get("attempt")) for e in _events(tmp_path)]
+    assert kinds == [("dispatch", 0), ("run_discarded", 0), ("dispatch", 1), ("result", 1)]
+
+
+async def test_a_result_whose_ledger_was_retired_is_dropped_not_a_crash(tmp_path: Path) -> None:
+    def on_run(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"result": {"reward": 0.5}})
+
+    driver = _driver_with_environment(tmp_path, on_run, {"r1": None})  # 410 for r1's ledger
+    try:
+        await driver.run_attempt("r1", 0)
+    finally:
+        await driver.http.aclose()
+    assert driver.state.accepted == {}
+    assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_discarded"]
+
+
+async def test_an_attempt_whose_result_is_being_accepted_is_not_retirable(tmp_path: Path) -> None:
+    plan = DriverPlan(
+        rollouts=["r1", "r2"], task_input={}, phase=0, checkpoints=0, crash_after=False
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    try:
+        driver.in_flight = {"r1": 0, "r2": 3}
+        driver.owed = {"r3": 1}
+        driver.settling = {"r2": 3}
+        assert driver.retirable() == [("r1", 0), ("r3", 1)]
     finally:
         await driver.http.aclose()

@@ -66,6 +66,7 @@ async def finish(deployed: Deployment, rollout: str, attempt: int) -> list[str]:
     key = ep(rollout, attempt).capture_key
     assert await deployed.tokens(key) == tokens
     manifest = await deployed.control.ledger_manifest(key)
+    assert manifest is not None
     return [r["model_call_id"] for r in manifest["records"]]
 
 

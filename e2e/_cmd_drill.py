@@ -51,7 +51,7 @@ def register(app: typer.Typer) -> None:
         rollouts: Annotated[
             int | None,
             typer.Option(
-                min=1, help="Rollouts to run [default: 8; 10, the reference's, with --sequences]."
+                min=1, help="Rollouts to run \\[default: 8; 10, the reference's, with --sequences]."
             ),
         ] = None,
         checkpoints: Annotated[int, typer.Option(min=0, help="Checkpoints to publish.")] = 3,

@@ -5,14 +5,18 @@ from __future__ import annotations
 import json
 import sys
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import Annotated, Any, Final, NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print one JSON object instead of the readable summary.")
 ]
+
+EXIT_USAGE: Final = 2
+"""A command given what it cannot act on (a missing directory, options that can never pass)."""
 
 console = Console(highlight=False)
 error_console = Console(stderr=True, highlight=False)
@@ -25,3 +29,14 @@ def emit(payload: dict[str, Any], *, as_json: bool, render: Callable[[], None]) 
         sys.stdout.flush()
     else:
         render()
+
+
+def usage_error(message: str) -> NoReturn:
+    """Print ``error: <message>`` as one line on stderr and exit 2.
+
+    Raises:
+        typer.Exit: Always, with exit code 2.
+    """
+    # soft_wrap: one line whatever the terminal width, so scripts can read it whole.
+    error_console.print(f"[red]error[/red]: {escape(message)}", soft_wrap=True)
+    raise typer.Exit(EXIT_USAGE)

@@ -97,3 +97,12 @@ def test_bench_ledger_table_notes_the_thread_round_trip(tmp_path: Path) -> None:
     result = runner.invoke(build_app(), args)
     assert result.exit_code == 0, result.output
     assert "record" in result.output and "round trip" in result.output
+
+
+@pytest.mark.parametrize("command", [["status"], ["drill"], ["restore"], ["serve", "worker"]])
+def test_help_shows_no_value_placeholder_for_a_flag(command: list[str]) -> None:
+    result = runner.invoke(build_app(), [*command, "--help"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0
+    assert "--help" in result.output
+    assert "<bool>" not in result.output, result.output
+    assert "<int" in result.output or "<file>" in result.output  # values still show theirs

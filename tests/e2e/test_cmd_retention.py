@@ -64,3 +64,61 @@ async def test_gc_dry_run_then_gc_then_pin(tmp_path: Path) -> None:
     assert done["removed"] == ["c1"] and done["bytes_reclaimed"] > 0
     code, _, output = run("pin", str(tmp_path), "nope")
     assert code == 2 and "not a published checkpoint" in output
+
+
+def _one_line_usage_error(code: int, output: str) -> str:
+    lines = output.strip().splitlines()
+    assert code == 2 and len(lines) == 1, output
+    assert lines[0].startswith("error: ") and "Traceback" not in output
+    return lines[0]
+
+
+async def test_verify_of_something_that_is_no_checkpoint_is_a_one_line_usage_error(
+    tmp_path: Path,
+) -> None:
+    await _commit_and_publish(tmp_path, "c1", None)
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "empty").mkdir()
+    cases = {
+        tmp_path / "nonexistent": "no such directory",
+        tmp_path / "a-file": "not a directory",
+        tmp_path: "is a run root",
+        tmp_path / "checkpoints": "holds the checkpoints",
+        tmp_path / "empty": "is not a checkpoint",
+    }
+    for directory, said in cases.items():
+        for extra in ((), ("--json",)):
+            result = CliRunner().invoke(build_app(), ["verify", str(directory), *extra])
+            line = _one_line_usage_error(result.exit_code, result.output)
+            assert said in line and "MISMATCH" not in line, line
+    # a run root names where its newest checkpoint is
+    result = CliRunner().invoke(build_app(), ["verify", str(tmp_path)])
+    assert str(checkpoint_directory(tmp_path, "c1")) in result.output
+
+
+async def test_verify_of_a_commit_never_published_is_a_mismatch(tmp_path: Path) -> None:
+    await _commit_and_publish(tmp_path, "c1", None)
+    directory = checkpoint_directory(tmp_path, "c1")
+    (directory / "checkpoint.json").unlink()
+    code, payload, _ = run("verify", str(directory), "--json")
+    assert code == 1 and not payload["ok"]
+    (problem,) = payload["problems"]
+    assert "partial commit" in problem and "Errno" not in problem
+
+
+async def test_gc_of_a_missing_root_or_of_a_checkpoint_is_a_one_line_usage_error(
+    tmp_path: Path,
+) -> None:
+    await _commit_and_publish(tmp_path, "c1", None)
+    cases = {
+        tmp_path / "nonexistent": "no such directory",
+        tmp_path / "checkpoints": "holds the checkpoints",
+        checkpoint_directory(tmp_path, "c1"): "is one checkpoint",
+    }
+    for root, said in cases.items():
+        result = CliRunner().invoke(build_app(), ["gc", str(root), "--json"])
+        assert said in _one_line_usage_error(result.exit_code, result.output)
+    fresh = tmp_path / "fresh-run"  # a run root before its first checkpoint: nothing to do
+    fresh.mkdir()
+    code, report, _ = run("gc", str(fresh), "--json")
+    assert code == 0 and report["removed"] == []

@@ -8,17 +8,35 @@ back for the caller to retire and re-dispatch. When anything fails on the way, e
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Final
 
+import anyio
 from pydantic import JsonValue
 
-from protocols import RESTORE_CLEANUP_MIN_SECONDS, EpisodeId
+from protocols import (
+    PREPARE_ORDER,
+    RESTORE_CLEANUP_MIN_SECONDS,
+    CommitReply,
+    EpisodeId,
+    ParticipantKind,
+)
 
 from ._drivers import CoordinationError, Coordinator, PrepareResult
-from ._publish import CheckpointManifest, checkpoint_directory, publish_checkpoint
+from ._publish import (
+    CHECKPOINT_FILE,
+    LATEST_FILE,
+    CheckpointManifest,
+    checkpoint_directory,
+    publish_checkpoint,
+)
+
+_SCOPE_KINDS: Final[tuple[ParticipantKind, ...]] = ("environment",)
+"""The participants whose export is the default scope of a checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +68,52 @@ async def _resume_quietly(coordinator: Coordinator, checkpoint_id: str) -> None:
     await coordinator.resume(checkpoint_id, time.time() + RESTORE_CLEANUP_MIN_SECONDS)
 
 
+async def _commit_what_the_environment_exports(
+    coordinator: Coordinator,
+    checkpoint_id: str,
+    deadline: float,
+    directory: str,
+    prepared: PrepareResult,
+) -> tuple[dict[str, CommitReply], list[EpisodeId]]:
+    """Commit with no scope given: the environments first, then everyone else with their export.
+
+    A model participant needs the episodes the controller continues (it must not export the
+    rows of an attempt nobody will run again), so the default scope — what the environments
+    export, minus the restarts — is known only once they have committed.
+    """
+    first = await coordinator.commit(checkpoint_id, deadline, directory, None, kinds=_SCOPE_KINDS)
+    exported = sorted({key for reply in first.values() for key in reply.episode_ids})
+    scope = prepared.continued(EpisodeId.from_capture_key(key) for key in exported)
+    others = [kind for kind in PREPARE_ORDER if kind not in _SCOPE_KINDS]
+    rest = await coordinator.commit(checkpoint_id, deadline, directory, scope, kinds=others)
+    return {**first, **rest}, scope
+
+
+def _remove_unpublished(root: Path, checkpoint_id: str) -> bool:
+    """Remove what a failed commit of ``checkpoint_id`` wrote, unless it was published.
+
+    A directory without ``checkpoint.json`` is ignored by every reader of checkpoints, but it
+    still looks like one to a person or a tool listing ``checkpoints/``; the coordinator that
+    saw the commit fail knows it will never be published, so it removes it (a participant still
+    writing after its reply was lost may leave a share behind; gc removes it later). Never
+    touches a directory with ``checkpoint.json`` or the one ``LATEST`` names.
+
+    Returns:
+        Whether a directory was removed.
+    """
+    directory = checkpoint_directory(root, checkpoint_id)
+    if not directory.is_dir() or (directory / CHECKPOINT_FILE).exists():
+        return False
+    try:
+        latest = (directory.parent / LATEST_FILE).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        latest = ""
+    if latest == checkpoint_id:
+        return False
+    shutil.rmtree(directory)
+    return True
+
+
 async def checkpoint(
     coordinator: Coordinator,
     root: Path,
@@ -67,7 +131,8 @@ async def checkpoint(
         root: The run root (the checkpoint goes to ``<root>/checkpoints/<id>``).
         checkpoint_id: The checkpoint's id; retries reuse it.
         deadline_seconds: How long prepare, commit and publication may take in all.
-        episodes: The episodes to continue, or ``None`` for everything the environment exports.
+        episodes: The episodes to continue, or ``None`` for everything the environments export
+            (minus restarts): they commit first, the others then with that scope.
         controller_state: The controller's own state, published in ``checkpoint.json``.
         fault: A test-only publication fault (see ``PUBLISH_FAULTS``).
 
@@ -86,17 +151,13 @@ async def checkpoint(
         if not result.prepared:
             await _resume_quietly(coordinator, checkpoint_id)
             return CheckpointOutcome(checkpoint_id, result, None)
-        scope = None if episodes is None else result.continued(episodes)
-        commits = await coordinator.commit(checkpoint_id, deadline, str(directory), scope)
-        if scope is None:
-            kinds = {member.instance: member.kind for member in coordinator.members}
-            exported = {
-                key
-                for name, reply in commits.items()
-                if kinds[name] == "environment"
-                for key in reply.episode_ids
-            }
-            scope = result.continued(EpisodeId.from_capture_key(key) for key in sorted(exported))
+        if episodes is None:
+            commits, scope = await _commit_what_the_environment_exports(
+                coordinator, checkpoint_id, deadline, str(directory), result
+            )
+        else:
+            scope = result.continued(episodes)
+            commits = await coordinator.commit(checkpoint_id, deadline, str(directory), scope)
         manifest = await publish_checkpoint(
             root,
             checkpoint_id,
@@ -110,6 +171,8 @@ async def checkpoint(
         # The original failure is the one the caller must see; resume is safe to repeat later.
         with contextlib.suppress(CoordinationError):
             await _resume_quietly(coordinator, checkpoint_id)
+        with contextlib.suppress(OSError):
+            await anyio.to_thread.run_sync(_remove_unpublished, root, checkpoint_id)
         raise
     await _resume_quietly(coordinator, checkpoint_id)
     return CheckpointOutcome(checkpoint_id, result, manifest)

@@ -241,14 +241,15 @@ class Coordinator:
         episode_ids: Sequence[EpisodeId] | None,
         *,
         stop: bool = False,
+        kinds: Iterable[ParticipantKind] | None = None,
     ) -> dict[str, CommitReply]:
-        """Commit on every participant at once.
+        """Commit on every participant at once (only those of ``kinds`` when given).
 
         Raises:
             CoordinationError: Any participant failed; nothing may be published.
         """
         replies, failures = await _each(
-            self.members,
+            self.members if kinds is None else self.of_kinds(kinds),
             lambda m: m.client.commit(
                 checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop=stop
             ),

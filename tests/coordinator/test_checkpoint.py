@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from coordinator import CoordinationError, checkpoint, read_latest
+from coordinator import CoordinationError, checkpoint, read_latest, verify_checkpoint
+from participants import Record
 from protocols import CheckpointError, EpisodeId, Phase
 
 from .deployment import deployment
@@ -53,6 +55,34 @@ async def test_without_a_scope_the_environment_export_minus_restarts_is_continue
         assert outcome.manifest is not None and outcome.manifest.continued == [R2]
 
 
+async def test_without_a_scope_a_model_that_needs_one_gets_the_environment_export(
+    tmp_path: Path,
+) -> None:
+    async with deployment() as d:
+        for fake in d.fakes.values():
+            fake.episodes = [R1, R2, R3]
+        d.fakes["environment"].episodes = [R1, R2]  # R3 is not in flight any more
+        d.fakes["agent"].restarts = [R2.capture_key]
+        scopes: list[list[EpisodeId]] = []
+
+        async def like_the_model(episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
+            if episode_ids is None:  # as participants/_model.py refuses it
+                raise CheckpointError("a model commit needs the episode_ids")
+            scopes.append(list(episode_ids))
+            return [{"episode_id": e.model_dump()} for e in episode_ids]
+
+        d.fakes["policy"].export = like_the_model  # type: ignore[method-assign]
+        outcome = await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=30)
+        assert outcome.manifest is not None and outcome.manifest.continued == [R1]
+        assert scopes == [[R1]]
+        # idle: nothing exported, nothing continued, still published
+        d.fakes["environment"].episodes = []
+        d.fakes["agent"].restarts = []
+        outcome = await checkpoint(d.coordinator, tmp_path, "c2", deadline_seconds=30)
+        assert outcome.manifest is not None and outcome.manifest.continued == []
+        assert scopes[-1] == []
+
+
 async def test_blockers_come_back_after_everyone_resumed_and_nothing_is_published(
     tmp_path: Path,
 ) -> None:
@@ -85,3 +115,21 @@ async def test_a_failed_commit_resumes_everyone_and_raises(tmp_path: Path) -> No
         for name, plane in d.planes.items():
             assert plane.phase is Phase.IDLE, name
     assert read_latest(tmp_path) is None
+    # the shares the others committed went with it: nothing under checkpoints/ looks like one
+    assert not (tmp_path / "checkpoints" / "c1").exists()
+
+
+async def test_a_failed_commit_never_removes_a_published_checkpoint(tmp_path: Path) -> None:
+    async with deployment() as d:
+        outcome = await checkpoint(d.coordinator, tmp_path, "c1", deadline_seconds=30)
+        assert outcome.published
+
+        async def broken(episode_ids: object) -> list[object]:
+            raise CheckpointError("disk full")
+
+        d.fakes["policy"].export = broken  # type: ignore[method-assign,assignment]
+        with pytest.raises(CoordinationError):
+            await checkpoint(d.coordinator, tmp_path, "c2", deadline_seconds=30)
+    assert (tmp_path / "checkpoints" / "c1" / "checkpoint.json").exists()
+    assert not (tmp_path / "checkpoints" / "c2").exists()
+    assert verify_checkpoint(tmp_path / "checkpoints" / "c1") == []

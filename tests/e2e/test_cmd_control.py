@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from coordinator import ControlClient, Coordinator, Member, read_latest
 from e2e._cli import build_app
 from e2e._cluster import Cluster, ServerEntry, write_cluster
-from participants import ControlPlane, participant_app
-from protocols import EpisodeId, ParticipantKind, Phase
+from participants import ControlPlane, Record, participant_app
+from protocols import CheckpointError, EpisodeId, ParticipantKind, Phase
 from tests.coordinator.deployment import TOKEN, Logged
 from tests.coordinator.test_client_end_to_end import _serve
 
@@ -164,3 +164,48 @@ async def test_control_commands_need_the_token(tmp_path: Path) -> None:
             )
         )
         assert result.exit_code == 2 and "MIDFLIGHT_CONTROL_TOKEN" in result.output
+
+
+def _refuse_a_null_scope(fake: Logged, scopes: list[list[str]]) -> None:
+    """Make ``fake`` export like the model participant: it needs the episodes continued."""
+
+    async def export(episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
+        if episode_ids is None:
+            raise CheckpointError("a model commit needs the episode_ids")
+        scopes.append([e.capture_key for e in episode_ids])
+        return [{"episode_id": e.model_dump()} for e in episode_ids]
+
+    fake.export = export  # type: ignore[method-assign]
+
+
+async def test_checkpoint_without_a_scope_continues_what_the_environment_exports(
+    tmp_path: Path,
+) -> None:
+    async with served(tmp_path) as s:
+        scopes: list[list[str]] = []
+        _refuse_a_null_scope(s.fakes["policy"], scopes)
+        cluster = ("--cluster", str(s.cluster_file))
+        code, out = await cli("checkpoint", *cluster, "--id", "busy")
+        assert code == 0 and out["published"], out
+        assert out["continued"] == [R1.capture_key, R2.capture_key]
+        assert scopes == [[R1.capture_key, R2.capture_key]]
+        s.fakes["environment"].episodes = []  # an idle cluster
+        code, out = await cli("checkpoint", *cluster, "--id", "idle")
+        assert code == 0 and out["published"] and out["continued"] == [], out
+        code, out = await cli("verify", out["checkpoint_dir"])
+        assert code == 0, out
+
+
+async def test_a_failed_checkpoint_leaves_no_directory_behind(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+
+        async def broken(episode_ids: object) -> list[Record]:
+            raise CheckpointError("disk full")
+
+        s.fakes["agent"].export = broken  # type: ignore[method-assign,assignment]
+        code, out = await cli("checkpoint", "--cluster", str(s.cluster_file), "--id", "c1")
+        assert code == 1 and "disk full" in out["error"], out
+        assert not (s.root / "checkpoints" / "c1").exists()
+        assert read_latest(s.root) is None
+        for name, plane in s.planes.items():
+            assert plane.phase is Phase.IDLE, name

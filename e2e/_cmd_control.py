@@ -33,7 +33,7 @@ from protocols import EpisodeId, MidflightError
 from ._cluster import Cluster, read_cluster
 from ._cmd_serve import CONTROL_TOKEN_ENV
 from ._output import JsonOption, console, emit, error_console
-from ._status_table import participant_rows, status_table
+from ._status_table import answered, participant_rows, status_table
 
 T = TypeVar("T")
 PARTICIPANT_ROLES: Final = ("environment", "model", "agent", "resources")
@@ -94,6 +94,18 @@ def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -
         raise typer.Exit(EXIT_FAILED) from None
 
 
+def _watch_json(cluster: Cluster, token: str, every: float, rows: list[dict[str, Any]]) -> None:
+    """``status --watch S --json``: one JSON object per line, every S seconds, until Ctrl-C."""
+    try:
+        while True:
+            payload = {"participants": rows, "answered": answered(rows), "t": time.time()}
+            emit(payload, as_json=True, render=lambda: None)
+            time.sleep(every)
+            rows = anyio.run(participant_rows, cluster, token)
+    except KeyboardInterrupt:
+        return
+
+
 def _episodes(keys: list[str]) -> list[EpisodeId]:
     try:
         return [EpisodeId.from_capture_key(key) for key in keys]
@@ -120,20 +132,33 @@ def register(app: typer.Typer) -> None:
     def status_command(
         cluster: ClusterOption,
         watch: Annotated[
-            float, typer.Option("--watch", min=0.0, help="Refresh every N seconds (0: once).")
+            float,
+            typer.Option(
+                "--watch",
+                min=0.0,
+                help="Refresh every N seconds until Ctrl-C (0: once); with --json, one JSON "
+                "object per line per refresh.",
+            ),
         ] = 0.0,
         as_json: JsonOption = False,
     ) -> None:
-        """One row per participant: phase, checkpoint, lease, blockers, counts."""
+        """One row per participant: phase, checkpoint, lease, blockers, counts.
+
+        Exits 1 when no participant answered (every server unreachable or without control
+        routes), else 0.
+        """
         servers = _load(cluster)
         token = _token()
         rows = anyio.run(participant_rows, servers, token)
-        if as_json or watch <= 0:
+        if watch <= 0:
             emit(
-                {"participants": rows},
+                {"participants": rows, "answered": answered(rows)},
                 as_json=as_json,
                 render=lambda: console.print(status_table(rows)),
             )
+            raise typer.Exit(0 if answered(rows) else EXIT_FAILED)
+        if as_json:
+            _watch_json(servers, token, watch, rows)
             return
         with Live(status_table(rows), console=console, refresh_per_second=4) as live:
             try:

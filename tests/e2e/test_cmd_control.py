@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
@@ -20,7 +21,7 @@ from e2e._cluster import Cluster, ServerEntry, write_cluster
 from participants import ControlPlane, Record, participant_app
 from protocols import CheckpointError, EpisodeId, ParticipantKind, Phase
 from tests.coordinator.deployment import TOKEN, Logged
-from tests.coordinator.test_client_end_to_end import _serve
+from tests.coordinator.test_client_end_to_end import _free_port, _serve
 
 pytestmark = pytest.mark.anyio
 R1, R2 = EpisodeId(rollout_id="r1"), EpisodeId(rollout_id="r2")
@@ -209,3 +210,98 @@ async def test_a_failed_checkpoint_leaves_no_directory_behind(tmp_path: Path) ->
         assert read_latest(s.root) is None
         for name, plane in s.planes.items():
             assert plane.phase is Phase.IDLE, name
+
+
+def _with_servers(s: Served, tmp_path: Path, *extra: ServerEntry) -> Path:
+    """A cluster file of ``s``'s servers plus ``extra`` ones."""
+    path = tmp_path / "more.toml"
+    servers = tuple(ServerEntry(i, role, s.urls[i]) for _, i, role in SHAPE)  # type: ignore[arg-type]
+    write_cluster(path, Cluster(root=s.root, servers=(*servers, *extra)))
+    return path
+
+
+async def status_output(cluster_file: Path, *extra: str) -> tuple[int, str]:
+    """``midflight status`` as a person sees it on an 80-column terminal."""
+    runner = CliRunner()
+    result = await anyio.to_thread.run_sync(
+        lambda: runner.invoke(
+            build_app(),
+            ["status", "--cluster", str(cluster_file), *extra],
+            env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN, "COLUMNS": "80"},
+        )
+    )
+    return result.exit_code, result.output
+
+
+async def test_status_at_80_columns_keeps_names_whole_and_errors_out_of_the_counts(
+    tmp_path: Path,
+) -> None:
+    async with served(tmp_path) as s:
+        gone = ServerEntry("environment-restart", "environment", f"http://127.0.0.1:{_free_port()}")
+        code, output = await status_output(_with_servers(s, tmp_path, gone))
+        assert code == 0, output  # some participants answered
+        assert "…" not in output, output
+        lines = output.splitlines()
+        note = next(i for i, line in enumerate(lines) if line.startswith("environment-restart: "))
+        table = "\n".join(lines[:note])
+        assert "environment-restart" in table and "unreachable" in table
+        assert "policy" in table and "environment" in table
+        assert "Connect" not in table  # the error is not squeezed into a column
+        assert lines[note].startswith("environment-restart: ConnectError")
+        assert all(len(line) <= 80 for line in output.splitlines())
+
+
+async def test_status_exits_1_when_no_participant_answers(tmp_path: Path) -> None:
+    cluster_file = tmp_path / "cluster.toml"
+    dead = [
+        ServerEntry(n, r, f"http://127.0.0.1:{_free_port()}")
+        for n, r in (("policy", "model"), ("agent", "agent"))
+    ]
+    write_cluster(cluster_file, Cluster(root=tmp_path, servers=tuple(dead)))  # type: ignore[arg-type]
+    code, payload = await cli("status", "--cluster", str(cluster_file))
+    assert code == 1 and payload["answered"] == 0
+    assert [row["server"] for row in payload["participants"]] == ["policy", "agent"]
+    assert all("error" in row for row in payload["participants"])
+    code, output = await status_output(cluster_file)
+    assert code == 1 and "no participant answered" in output
+
+
+async def test_status_shows_a_server_without_control_routes(tmp_path: Path) -> None:
+    async with served(tmp_path) as s, AsyncExitStack() as stack:
+        plane = ControlPlane(Logged("resources", "resources", s.log))
+        await stack.enter_async_context(plane.running())
+        url = await stack.enter_async_context(_serve(participant_app(plane, token=None)))
+        cluster_file = _with_servers(s, tmp_path, ServerEntry("resources", "resources", url))
+        code, payload = await cli("status", "--cluster", str(cluster_file))
+        assert code == 0
+        rows = {row["server"]: row for row in payload["participants"]}
+        assert rows["resources"]["control_routes"] == "disabled"
+        assert rows["policy"]["phase"] == "idle"
+        code, output = await status_output(cluster_file)
+        assert "resources: control routes disabled" in output
+
+
+async def test_status_watch_json_prints_one_object_per_line_per_refresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sleeps: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        sleeps.append(seconds)
+        if len(sleeps) == 3:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr("e2e._cmd_control.time", SimpleNamespace(sleep=sleep, time=time.time))
+    async with served(tmp_path) as s:
+        runner = CliRunner()
+        result = await anyio.to_thread.run_sync(
+            lambda: runner.invoke(
+                build_app(),
+                ["status", "--cluster", str(s.cluster_file), "--watch", "0.5", "--json"],
+                env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN},
+            )
+        )
+    assert result.exit_code == 0, result.output
+    objects = [json.loads(line) for line in result.stdout.splitlines()]
+    assert len(objects) == 3 and sleeps == [0.5, 0.5, 0.5]
+    assert all(len(o["participants"]) == 3 and o["answered"] == 3 for o in objects)

@@ -11,6 +11,7 @@ to the control token.
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import os
@@ -18,7 +19,7 @@ import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, NoReturn
 
 import structlog
 import typer
@@ -136,17 +137,49 @@ def configure_server_logging() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
 
 
+class PortInUseError(OSError):
+    """The port a server was told to bind is taken (or not ours to bind)."""
+
+
 def bind_listening_socket(port: int) -> socket.socket:
-    """A socket bound to ``127.0.0.1:port`` and listening, so no other process can take the port."""
+    """A socket bound to ``127.0.0.1:port`` and listening, so no other process can take the port.
+
+    Raises:
+        PortInUseError: The port is taken, or binding it is not permitted.
+    """
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((HOST, port))
         sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno in (errno.EADDRINUSE, errno.EACCES):
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else "not permitted"
+            raise PortInUseError(exc.errno, f"port {port} on {HOST} is {reason}") from exc
+        raise
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _refuse_port(exc: PortInUseError) -> NoReturn:
+    # A usage error, not a crash: one line naming the port, exit 2, no traceback.
+    sys.stderr.write(f"error: {exc.strerror} (choose another --port, or 0 for a free one)\n")
+    sys.stderr.flush()
+    raise typer.Exit(2)
+
+
+def warn_if_control_is_off(options: ServeContext | int) -> None:
+    """Say at start-up that a server without a control token takes no part in checkpoints."""
+    if isinstance(options, ServeContext) and options.control_token is None:
+        structlog.get_logger("midflight.serve").warning(
+            "control_routes_disabled",
+            server=options.name,
+            detail=f"{CONTROL_TOKEN_ENV} is not set: no control route is installed, so this "
+            "server takes no part in checkpoints, restores or generation cuts",
+        )
 
 
 def run_server(app: Any, options: ServeContext | int) -> None:
@@ -158,10 +191,18 @@ def run_server(app: Any, options: ServeContext | int) -> None:
 
         if is_worker_process():
             run_worker(app, options)
-        else:
+            return
+        warn_if_control_is_off(options)
+        try:
             run_coordinator(app, options)
+        except PortInUseError as exc:
+            _refuse_port(exc)
         return
-    sock = bind_listening_socket(port)
+    warn_if_control_is_off(options)
+    try:
+        sock = bind_listening_socket(port)
+    except PortInUseError as exc:
+        _refuse_port(exc)
     with sock:
         bound = sock.getsockname()[1]
         sys.stdout.write(f"listening on http://{HOST}:{bound}\n")

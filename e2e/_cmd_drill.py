@@ -15,8 +15,8 @@ from rich.table import Table
 from participants import RESOURCES_MODES, VERIFY_MODES
 
 from ._drill import FAULTS, DrillOptions, run_drill
-from ._oracle import ERROR_FIGURES
-from ._output import JsonOption, console, emit, error_console
+from ._oracle import ERROR_FIGURES, MIN_CHECKPOINTS, MIN_CRASHES
+from ._output import JsonOption, console, emit, error_console, usage_error
 from ._sequence_cases import NAMED_CASES
 from ._sequences import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
 
@@ -43,6 +43,42 @@ SHOWN = (
 )
 
 
+def refuse_a_used_directory(keep_dir: Path) -> None:
+    """Refuse a ``--keep-dir`` that holds anything: a run there would read the old run's evidence.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line.
+    """
+    if keep_dir.exists() and not keep_dir.is_dir():
+        usage_error(f"--keep-dir {keep_dir} is not a directory")
+    if keep_dir.is_dir() and any(keep_dir.iterdir()):
+        usage_error(
+            f"--keep-dir {keep_dir} is not empty (a kept run would mix with this one): "
+            "name a new or empty directory"
+        )
+
+
+def refuse_a_drill_that_cannot_pass(checkpoints: int, crashes: int) -> None:
+    """Refuse the options the minimum-activity rule fails whatever happens (D232).
+
+    Every crash restores a checkpoint of its own phase, so each crash needs one of the
+    ``--checkpoints`` before it; with fewer the drill would publish more than asked.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line.
+    """
+    if checkpoints < MIN_CHECKPOINTS or crashes < MIN_CRASHES:
+        usage_error(
+            f"--checkpoints {checkpoints} --crashes {crashes} can never pass: the drill proves "
+            f"nothing with fewer than {MIN_CHECKPOINTS} checkpoints and {MIN_CRASHES} crashes"
+        )
+    if checkpoints < crashes:
+        usage_error(
+            f"--checkpoints {checkpoints} is fewer than --crashes {crashes}: every crash "
+            "restores a checkpoint taken since the one before"
+        )
+
+
 def register(app: typer.Typer) -> None:
     """Add ``drill`` and the hidden ``drill-driver`` to the app."""
 
@@ -54,8 +90,15 @@ def register(app: typer.Typer) -> None:
                 min=1, help="Rollouts to run \\[default: 8; 10, the reference's, with --sequences]."
             ),
         ] = None,
-        checkpoints: Annotated[int, typer.Option(min=0, help="Checkpoints to publish.")] = 3,
-        crashes: Annotated[int, typer.Option(min=0, help="SIGKILLs of every server.")] = 2,
+        checkpoints: Annotated[
+            int,
+            typer.Option(
+                min=0, help="Checkpoints to publish in all, at least 3 and at least --crashes."
+            ),
+        ] = 3,
+        crashes: Annotated[
+            int, typer.Option(min=0, help="SIGKILLs of every server (at least 2).")
+        ] = 2,
         seed: Annotated[int, typer.Option(min=0, help="Generation seed of the episodes.")] = 0,
         token_delay_ms: Annotated[
             float, typer.Option(min=0.0, help="Worker delay per token.")
@@ -140,6 +183,10 @@ def register(app: typer.Typer) -> None:
             )
         if sequence_case is not None:
             sequences = 1
+        if keep_dir is not None:
+            refuse_a_used_directory(keep_dir)
+        if matrix is None and not sequences:
+            refuse_a_drill_that_cannot_pass(checkpoints, crashes)
         if rollouts is None:
             rollouts = REFERENCE_ROLLOUTS if sequences else 8
         options = DrillOptions(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Mapping
@@ -33,7 +34,8 @@ from ._evidence import EvidenceLog, read_evidence
 
 DEADLINE_SECONDS = 30.0
 CUT_RETRIES = 6
-"""Extra checkpoints a phase may take so that the one its crash restores carries a cut (D155)."""
+"""Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
+D232); the last try is published whatever it carries."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class Driver:
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}
         self.last_cuts: list[str] = []
+        self.abandoned = 0  # commits abandoned for want of a cut (this incarnation, one phase)
 
     async def log(self, event: dict[str, Any]) -> None:
         """Append one evidence line (fsynced) before acting on it."""
@@ -219,12 +222,17 @@ class Driver:
                 await anyio.sleep(0.01)
         return False
 
-    async def checkpoint(self, index: int, *, block: float | None = None) -> bool:
-        """Take checkpoint ``index`` of this phase; False when its prepare was blocked.
+    async def checkpoint(
+        self, index: int, *, block: float | None = None, need_cut: bool = False
+    ) -> bool:
+        """Take checkpoint ``index`` of this phase; False when it was not published.
 
         ``block`` forces the rarer outcome: the controller treats the prepare as blocked by the
         attempt of its scope that ``block`` (in [0, 1)) picks, and does what it does for a real
         straggler (control-plane §3.4.1: resume, retire it, dispatch its next attempt).
+        ``need_cut``: a commit that carries no generation cut is abandoned before publication
+        (resumed, its directory removed), so that the checkpoint a crash restores has a cut to
+        continue and the published count stays what the plan asked for (D155, D232).
         """
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
         directory = self.control.checkpoint_dir(self.root, checkpoint_id)
@@ -262,6 +270,12 @@ class Driver:
         episodes = prepared.continued(in_scope)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
+        if need_cut and not self.last_cuts:
+            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
+            self.abandoned += 1
+            return False
         exported = set(commit.environment_episode_ids())
         for rollout, attempt in scope.items():  # replies already on the wire finish first
             key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
@@ -415,19 +429,17 @@ class Driver:
                     await anyio.lowlevel.checkpoint()
 
             group.start_soon(dispatcher)
-            taken = index = retries = 0
+            taken = index = 0
             while taken < self.plan.checkpoints:
                 if not await self.wait_for_model_calls_in_flight():
                     break
-                if await self.checkpoint(index):
+                # The checkpoint a crash restores should carry a generation cut, or the run
+                # cannot show one continued; on a busy machine the calls may all finish before
+                # admission closes, so that commit is abandoned and taken again (bounded).
+                last = taken == self.plan.checkpoints - 1 and self.plan.crash_after
+                need_cut = last and self.abandoned < CUT_RETRIES
+                if await self.checkpoint(index, need_cut=need_cut):
                     taken += 1
-                    # The checkpoint a crash restores should carry a generation cut, or the run
-                    # cannot show one continued; on a busy machine the calls may all finish
-                    # before admission closes, so take another one (bounded) instead.
-                    last = taken == self.plan.checkpoints and self.plan.crash_after
-                    if last and not self.last_cuts and retries < CUT_RETRIES:
-                        taken -= 1
-                        retries += 1
                 index += 1
                 await anyio.sleep(0.05)
             if self.plan.crash_after:

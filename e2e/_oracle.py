@@ -30,6 +30,9 @@ ERROR_FIGURES: Final = (
     "leftover",
 )
 """Any of these non-zero fails the drill."""
+MIN_CHECKPOINTS: Final = 3
+MIN_CRASHES: Final = 2
+"""Fewer published checkpoints or crashes than this, and a run proves too little (contract §6)."""
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,10 @@ class Figures:
         """Why the run fails: error figures, or too little activity to prove anything."""
         v = self.values
         reasons = [f"{name} = {v[name]}" for name in ERROR_FIGURES if v.get(name)]
-        if v["checkpoints"] < 3:
-            reasons.append(f"only {v['checkpoints']} checkpoints (need 3)")
-        if v["crashes"] < 2:
-            reasons.append(f"only {v['crashes']} crashes (need 2)")
+        if v["checkpoints"] < MIN_CHECKPOINTS:
+            reasons.append(f"only {v['checkpoints']} checkpoints (need {MIN_CHECKPOINTS})")
+        if v["crashes"] < MIN_CRASHES:
+            reasons.append(f"only {v['crashes']} crashes (need {MIN_CRASHES})")
         # A crash must bring rollouts back: restored, or (restart-only resources) run again.
         restarted = v.get("restarted_per_crash") or [0] * len(v["restored_per_crash"])
         if any(n + r == 0 for n, r in zip(v["restored_per_crash"], restarted, strict=False)):

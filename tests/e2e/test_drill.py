@@ -59,7 +59,7 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     )
     assert code == 0, figures["failures"]
     assert figures["completed"] == figures["rollouts"] == 4
-    assert figures["checkpoints"] >= 3 and figures["crashes"] == 2
+    assert figures["checkpoints"] == 3 and figures["crashes"] == 2  # as asked (D232)
     assert all(n > 0 for n in figures["restored_per_crash"])
     assert figures["held_delivered"] >= 1
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0

@@ -155,3 +155,53 @@ async def test_an_attempt_whose_result_is_being_accepted_is_not_retirable(tmp_pa
         assert driver.retirable() == [("r1", 0), ("r3", 1)]
     finally:
         await driver.http.aclose()
+
+
+class _CutControl(_Control):
+    """Also commits a directory, carries cuts as told, and counts publications and resumes."""
+
+    def __init__(self, root: Path, cuts: list[list[str]]) -> None:
+        super().__init__(root)
+        self.cuts = cuts
+        self.published: list[str] = []
+        self.resumed: list[str] = []
+
+    async def commit(self, *args: Any) -> _Commit:
+        checkpoint_id, directory = args[0], args[2]
+        (directory / "gym").mkdir(parents=True)  # what the participants would have written
+        commit = await super().commit(*args)
+        cuts = self.cuts.pop(0)
+        commit.generation_cut_episodes = lambda: cuts  # type: ignore[method-assign]
+        assert checkpoint_id
+        return commit
+
+    async def publish(self, *args: Any) -> None:
+        self.published.append(args[1])
+
+    async def resume(self, *args: Any) -> None:
+        self.resumed.append(args[0])
+
+
+async def test_a_commit_without_a_cut_is_abandoned_unpublished_when_the_crash_needs_one(
+    tmp_path: Path,
+) -> None:
+    plan = DriverPlan(
+        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    control = _CutControl(tmp_path, cuts=[[], ["r1"], []])
+    driver.control = control  # type: ignore[assignment]
+    try:
+        driver.in_flight = {"r1": 0}
+        assert not await driver.checkpoint(0, need_cut=True)  # no cut: not published
+        assert control.published == [] and control.resumed == ["ckpt-0-0"]
+        assert not (tmp_path / "checkpoints" / "ckpt-0-0").exists()
+        assert driver.abandoned == 1
+        assert await driver.checkpoint(1, need_cut=True)  # a cut: published
+        assert control.published == ["ckpt-0-1"]
+        assert await driver.checkpoint(2)  # no cut needed: published as it is
+        assert control.published == ["ckpt-0-1", "ckpt-0-2"] and driver.abandoned == 1
+        events = [json.loads(line) for line in driver.evidence.path.read_text().splitlines()]
+        assert [e["id"] for e in events if e["event"] == "checkpoint_abandoned"] == ["ckpt-0-0"]
+    finally:
+        await driver.http.aclose()

@@ -1,0 +1,62 @@
+"""``midflight drill``'s options, refused before anything starts when they cannot work."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from e2e._cli import build_app
+
+
+@pytest.fixture(autouse=True)
+def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal comes before anything starts: running anything fails the test at once."""
+
+    def ran(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the drill started")
+
+    for name in (
+        "e2e._cmd_drill.run_drill",
+        "e2e._cmd_matrix.run_matrix_command",
+        "e2e._sequence_report.run_sequences_command",
+    ):
+        monkeypatch.setattr(name, ran)
+
+
+def _refused(*args: str) -> str:
+    result = CliRunner().invoke(build_app(), ["drill", *args])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--checkpoints", "1"], "can never pass"),
+        (["--checkpoints", "2"], "can never pass"),
+        (["--crashes", "0"], "can never pass"),
+        (["--crashes", "1", "--checkpoints", "5"], "can never pass"),
+        (["--crashes", "4", "--checkpoints", "3"], "fewer than --crashes"),
+    ],
+)
+def test_options_the_minimum_activity_rule_always_fails_are_usage_errors(
+    args: list[str], said: str, tmp_path: Path
+) -> None:
+    keep = tmp_path / "never-written"
+    for extra in ((), ("--json",)):
+        assert said in _refused(*args, "--keep-dir", str(keep), *extra)
+    assert not keep.exists()  # refused before anything ran
+
+
+def test_a_used_keep_dir_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "evidence.jsonl").write_text("{}\n")
+    for extra in ((), ("--json",), ("--matrix", "small"), ("--sequences", "1")):
+        assert "is not empty" in _refused("--keep-dir", str(tmp_path), *extra)
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]
+    a_file = tmp_path / "run" / "evidence.jsonl"
+    assert "not a directory" in _refused("--keep-dir", str(a_file))

@@ -15,6 +15,7 @@ from rich.table import Table
 from participants import RESOURCES_MODES, VERIFY_MODES
 
 from ._drill import FAULTS, DrillOptions, run_drill
+from ._drill_progress import DrillProgress
 from ._oracle import ERROR_FIGURES, MIN_CHECKPOINTS, MIN_CRASHES
 from ._output import JsonOption, console, emit, error_console, usage_error
 from ._sequence_cases import NAMED_CASES
@@ -223,23 +224,19 @@ def register(app: typer.Typer) -> None:
                 keep=keep_dir is not None,
                 as_json=as_json,
             )
-        lines: list[str] = []
+        progress = DrillProgress(
+            error_console, rollouts=rollouts, checkpoints=checkpoints, crashes=crashes
+        )
 
-        def on_line(line: str) -> None:
-            lines.append(line)
-            if not as_json:
-                error_console.print(f"[dim]{line}[/dim]")
+        def quiet(line: str) -> None:
+            return None
 
         try:
-            with (
-                error_console.status("running the drill…", spinner="dots")
-                if not as_json
-                else contextlib.nullcontext()
-            ):
+            with progress if not as_json else contextlib.nullcontext():
                 figures = run_drill(
                     options,
                     work,
-                    on_line,
+                    quiet if as_json else progress.on_line,
                     baseline_dir=baseline.resolve() if baseline else None,
                 )
         except ValueError as exc:  # a kept baseline of other rollouts: nothing was run

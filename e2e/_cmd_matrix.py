@@ -14,6 +14,7 @@ from rich.table import Table
 from coordinator import PUBLISH_FAULTS
 
 from ._drill import FAULTS, DrillOptions
+from ._drill_progress import is_progress_line
 from ._matrix import cells_json, parse_cells, run_matrix
 from ._output import console, emit, error_console
 
@@ -37,7 +38,7 @@ def run_matrix_command(
     work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-matrix-"))
 
     def on_line(line: str) -> None:
-        if not as_json:
+        if not as_json and not is_progress_line(line):
             error_console.print(f"[dim]{line}[/dim]")
 
     try:

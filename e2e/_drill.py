@@ -230,6 +230,7 @@ def run_cluster(
                 "restart_only_rollouts": restart_only,
                 "restart_environment": RESTART_ENVIRONMENT,
             }
+            on_line(f"phase {phase + 1}/{crashes + 1}")
             driver = DriverProcess(root, supervisor.cluster_path, plan, env)
             try:
                 word = "crash-point" if crash_after else "done"
@@ -315,6 +316,7 @@ def run_drill(
         token=token,
         on_line=on_line,
     )
+    on_line("computing the figures from evidence")
     figures = compute_figures(work / "run", baseline, rollouts=options.rollouts)
     figures.values["wall_s"] = round(time.monotonic() - started, 3)
     figures.values["baseline_wall_s"] = round(baseline_wall, 3)

@@ -110,6 +110,10 @@ class Driver:
         sys.stdout.write(line + "\n")
         sys.stdout.flush()
 
+    def say_progress(self) -> None:
+        """``progress <accepted>/<rollouts>``: what the drill's bar shows (after a rollback too)."""
+        self.say(f"progress {len(self.state.accepted)}/{len(self.plan.rollouts)}")
+
     # ------------------------------------------------------------------ dispatch
     async def run_rollout(self, rollout: str, attempt: int) -> None:
         """Run a rollout to an accepted result; a retired straggler reruns as its next attempt."""
@@ -175,6 +179,7 @@ class Driver:
                 }
             )
             self.state.accepted[rollout] = {"attempt": attempt, "reward": result["reward"]}
+            self.say_progress()
         finally:
             if self.settling.get(rollout) == attempt:
                 del self.settling[rollout]
@@ -411,6 +416,7 @@ class Driver:
         first: list[tuple[str, int]] = []
         if self.plan.phase > 0:
             first = await self.recover()
+        self.say_progress()
         async with anyio.create_task_group() as group:
             pending = [r for r in self.plan.rollouts if r not in self.state.accepted]
             queued = dict(first)

@@ -11,6 +11,7 @@ import typer
 from rich.table import Table
 
 from ._drill import DrillOptions
+from ._drill_progress import is_progress_line
 from ._output import console, emit, error_console
 from ._sequences import SequenceOptions, run_sequences
 
@@ -43,7 +44,7 @@ def run_sequences_command(
     )
 
     def on_line(line: str) -> None:
-        if not as_json:
+        if not as_json and not is_progress_line(line):
             error_console.print(f"[dim]{line}[/dim]")
 
     report: dict[str, Any] | None = None

@@ -281,15 +281,36 @@ def _simple(app: typer.Typer) -> None:
         """Reopen admission everywhere (aborts an unpublished checkpoint)."""
         servers, token = _load(cluster), _token()
 
-        async def work() -> list[str]:
+        async def work() -> dict[str, bool]:
             async with _coordinator(servers, token) as coordinator:
-                return sorted(await coordinator.resume(checkpoint_id, time.time() + deadline))
+                replies = await coordinator.resume(checkpoint_id, time.time() + deadline)
+                return {name: reply.idempotent for name, reply in replies.items()}
 
-        names = _run(f"resume {checkpoint_id}…", as_json, work)
+        replies = _run(f"resume {checkpoint_id}…", as_json, work)
+        # An idempotent reply reopened nothing: the id was never open there, or already resumed.
+        resumed = sorted(name for name, idempotent in replies.items() if not idempotent)
+        untouched = sorted(name for name, idempotent in replies.items() if idempotent)
+
+        def render() -> None:
+            if resumed:
+                console.print(f"[green]resumed[/green] {checkpoint_id} on {', '.join(resumed)}")
+            if untouched and not resumed:
+                console.print(
+                    f"nothing to resume: {checkpoint_id} is not open on any participant "
+                    "(never prepared, or already resumed)"
+                )
+            elif untouched:
+                console.print(f"not open on {', '.join(untouched)} (nothing to do there)")
+
         emit(
-            {"ok": True, "checkpoint_id": checkpoint_id, "resumed": names},
+            {
+                "ok": True,
+                "checkpoint_id": checkpoint_id,
+                "resumed": resumed,
+                "not_open": untouched,
+            },
             as_json=as_json,
-            render=lambda: console.print(f"[green]resumed[/green] {', '.join(names)}"),
+            render=render,
         )
 
     @app.command("retire")

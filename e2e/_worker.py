@@ -1,7 +1,8 @@
 """The deterministic inference worker as an HTTP server (e2e-contract §2, §4).
 
 Routes: ``POST /v1/completions``, ``POST /ng-control/v1/generation-cut`` (bearer token; installed
-only when a control token is configured), ``GET /healthz``, and FastAPI's ``/openapi.json``. Errors
+only when a control token is configured), ``GET /healthz``, ``GET /metrics`` and FastAPI's
+``/openapi.json``. Errors
 use the project's envelope ``{"error": {"code", "detail"}}``; the bearer token is checked before the
 body is read.
 """
@@ -9,11 +10,19 @@ body is read.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, Final
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    generate_latest,
+)
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from participants import (
@@ -103,11 +112,12 @@ def create_worker_app(
     )
     app = FastAPI(
         title="midflight deterministic inference worker",
-        version="1",
+        version=package_version("midflight"),  # as in every participant's document
         docs_url=None,
         redoc_url=None,
     )
     app.state.engine = engine
+    metrics = WorkerMetrics(engine)
 
     install_error_envelope(app)
 
@@ -125,7 +135,14 @@ def create_worker_app(
         responses=error_responses((), authenticated=False),
     )
     async def completions(body: CompletionRequest) -> CompletionReply:
-        return await engine.complete(body)
+        reply = await engine.complete(body)
+        metrics.completed(len(reply.token_ids))
+        return reply
+
+    @app.get("/metrics", tags=["operations"], response_class=Response)
+    async def metrics_route() -> Response:
+        """Prometheus metrics: completions, tokens returned, calls generating, cuts."""
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     if settings.control_token:
 
@@ -135,10 +152,59 @@ def create_worker_app(
             responses=error_responses(()),
         )
         async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
-            return await engine.cut(body)
+            receipt = await engine.cut(body)
+            metrics.cut(len(body.active_prefixes))
+            return receipt
 
         app.add_middleware(_BearerGuard, token=settings.control_token)
     return app
+
+
+class WorkerMetrics:
+    """``/metrics`` of the worker, like every participant's: a registry of its own.
+
+    Args:
+        engine: The worker whose calls in flight the gauge reads.
+    """
+
+    def __init__(self, engine: WorkerEngine) -> None:
+        self.registry = CollectorRegistry()
+        self._completions = Counter(
+            "midflight_worker_completions",
+            "Completions answered.",
+            registry=self.registry,
+        )
+        self._tokens = Counter(
+            "midflight_worker_tokens_returned",
+            "Tokens in the completions answered (a continued cut's prefix included).",
+            registry=self.registry,
+        )
+        self._cut_requests = Counter(
+            "midflight_worker_cut_requests",
+            "Generation-cut inventories answered.",
+            registry=self.registry,
+        )
+        self._cut_calls = Counter(
+            "midflight_worker_cut_calls",
+            "Calls listed in the generation-cut inventories answered.",
+            registry=self.registry,
+        )
+        in_flight = Gauge(
+            "midflight_worker_calls_in_flight",
+            "Calls generating now.",
+            registry=self.registry,
+        )
+        in_flight.set_function(lambda: len(engine.live))
+
+    def completed(self, tokens: int) -> None:
+        """Count one completion answered with ``tokens`` tokens."""
+        self._completions.inc()
+        self._tokens.inc(tokens)
+
+    def cut(self, calls: int) -> None:
+        """Count one inventory answered, listing ``calls`` calls."""
+        self._cut_requests.inc()
+        self._cut_calls.inc(calls)
 
 
 def worker_evidence_path(root: Path) -> Path:

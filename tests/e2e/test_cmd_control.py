@@ -305,3 +305,25 @@ async def test_status_watch_json_prints_one_object_per_line_per_refresh(
     objects = [json.loads(line) for line in result.stdout.splitlines()]
     assert len(objects) == 3 and sleeps == [0.5, 0.5, 0.5]
     assert all(len(o["participants"]) == 3 and o["answered"] == 3 for o in objects)
+
+
+async def test_resume_of_an_id_nobody_holds_says_nothing_was_resumed(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+        cluster = ("--cluster", str(s.cluster_file))
+        code, out = await cli("resume", *cluster, "--id", "nope")
+        assert code == 0 and out["resumed"] == [] and sorted(out["not_open"]) == sorted(s.fakes)
+        runner = CliRunner()
+        result = await anyio.to_thread.run_sync(
+            lambda: runner.invoke(
+                build_app(),
+                ["resume", *cluster, "--id", "nope"],
+                env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN},
+            )
+        )
+        assert "nothing to resume" in result.output and "resumed nope on" not in result.output
+        async with ControlClient(s.urls["agent"], token=TOKEN, attempts=1) as client:
+            await client.prepare("c1", time.time() + 20)  # open on the agent only
+        code, out = await cli("resume", *cluster, "--id", "c1")
+        assert code == 0 and out["resumed"] == ["agent"]
+        assert sorted(out["not_open"]) == ["environment", "policy"]
+        assert s.planes["agent"].phase is Phase.IDLE

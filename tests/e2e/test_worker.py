@@ -384,3 +384,23 @@ async def test_a_child_call_resolves_its_prefix_from_the_staging_chain(tmp_path:
             "ng_capture": {**body["ng_capture"], "model_call_id": "c4"},
         }
         assert (await client.post("/v1/completions", json=wrong_prompt)).status_code == 422
+
+
+async def test_metrics_count_completions_and_the_version_is_every_server_s(tmp_path: Path) -> None:
+    from participants import ControlPlane, participant_app
+    from tests.coordinator.deployment import Logged
+
+    async with worker(tmp_path, token_delay_ms=0) as (client, _):
+        reply = await client.post("/v1/completions", json=_body(max_tokens=5))
+        assert reply.status_code == 200
+        metrics = await client.get("/metrics")
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        text = metrics.text
+        assert "midflight_worker_completions_total 1.0" in text
+        assert "midflight_worker_tokens_returned_total 5.0" in text
+        assert "midflight_worker_calls_in_flight 0.0" in text
+        document = (await client.get("/openapi.json")).json()
+        assert "/metrics" in document["paths"]
+    participant = participant_app(ControlPlane(Logged("model", "policy", [])), token=None)
+    assert document["info"]["version"] == participant.openapi()["info"]["version"]

@@ -76,7 +76,7 @@ def answered(rows: list[dict[str, Any]]) -> int:
 def status_table(rows: list[dict[str, Any]]) -> RenderableType:
     """The rich rendering of ``status``: the table, then one line per server without a status.
 
-    Names, kinds (under the name) and phases are never cut (they are what an operator reads
+    Names, kinds (under the name, when it differs) and phases are never cut (they are what an operator reads
     first and types next); blockers and counts take one line each, and the checkpoint id folds. Errors go below
     the table, where a long message cannot squeeze it.
     """
@@ -115,7 +115,7 @@ def status_table(rows: list[dict[str, Any]]) -> RenderableType:
             phase += f"\nlease {row['lease_left_s']} s"
         counts = "\n".join(f"{k}={v}" for k, v in sorted(row["counts"].items()))
         table.add_row(
-            f"{escape(_name(row))}\n[dim]{row['kind']}[/dim]",
+            _name_and_kind(row),
             phase,
             escape(row["checkpoint_id"] or ""),
             blockers,
@@ -126,6 +126,11 @@ def status_table(rows: list[dict[str, Any]]) -> RenderableType:
     elif not answered(rows):
         notes.append(Text.from_markup("[red]no participant answered[/red]"))
     return Group(table, *notes) if notes else table
+
+
+def _name_and_kind(row: dict[str, Any]) -> str:
+    name = escape(_name(row))
+    return name if row["kind"] == row["server"] else f"{name}\n[dim]{row['kind']}[/dim]"
 
 
 def _name(row: dict[str, Any]) -> str:

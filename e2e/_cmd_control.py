@@ -18,6 +18,7 @@ from typing import Annotated, Any, Final, TypeVar
 import anyio
 import typer
 from rich.live import Live
+from rich.markup import escape
 
 from coordinator import (
     CoordinationError,
@@ -33,7 +34,7 @@ from protocols import EpisodeId, MidflightError
 from ._cluster import Cluster, read_cluster
 from ._cmd_serve import CONTROL_TOKEN_ENV
 from ._output import JsonOption, console, emit, error_console
-from ._status_table import answered, participant_rows, status_table
+from ._status_table import CONTROL_DISABLED, answered, participant_rows, status_table
 
 T = TypeVar("T")
 PARTICIPANT_ROLES: Final = ("environment", "model", "agent", "resources")
@@ -72,8 +73,32 @@ def participant_urls(cluster: Cluster) -> list[str]:
 
 @asynccontextmanager
 async def _coordinator(cluster: Cluster, token: str) -> AsyncIterator[Coordinator]:
-    async with Coordinator(await discover(participant_urls(cluster), token=token)) as coordinator:
+    try:
+        members = await discover(participant_urls(cluster), token=token)
+    except CoordinationError as exc:
+        if "deployment" not in exc.failures:
+            raise
+        disabled = await _without_control_routes(cluster, token)
+        if not disabled:
+            raise
+        detail = f"{exc.failures['deployment']}; {CONTROL_DISABLED} on {', '.join(disabled)}"
+        raise CoordinationError("discover", {"deployment": detail}) from exc
+    found = {member.url.rstrip("/") for member in members}
+    for server in cluster.servers:
+        if server.role in PARTICIPANT_ROLES and server.url.rstrip("/") not in found:
+            # A listed participant that answers without control routes is left out: say so.
+            error_console.print(
+                f"[yellow]warning[/yellow]: {escape(server.name)}: {CONTROL_DISABLED} (served "
+                f"without {CONTROL_TOKEN_ENV}); it takes no part",
+                soft_wrap=True,
+            )
+    async with Coordinator(members) as coordinator:
         yield coordinator
+
+
+async def _without_control_routes(cluster: Cluster, token: str) -> list[str]:
+    rows = await participant_rows(cluster, token)
+    return [row["server"] for row in rows if row.get("control_routes") == "disabled"]
 
 
 def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -> T:

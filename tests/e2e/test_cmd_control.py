@@ -327,3 +327,23 @@ async def test_resume_of_an_id_nobody_holds_says_nothing_was_resumed(tmp_path: P
         assert code == 0 and out["resumed"] == ["agent"]
         assert sorted(out["not_open"]) == ["environment", "policy"]
         assert s.planes["agent"].phase is Phase.IDLE
+
+
+async def test_the_control_commands_name_a_server_without_control_routes(tmp_path: Path) -> None:
+    async with served(tmp_path) as s, AsyncExitStack() as stack:
+        plane = ControlPlane(Logged("resources", "resources", s.log))
+        await stack.enter_async_context(plane.running())
+        url = await stack.enter_async_context(_serve(participant_app(plane, token=None)))
+        cluster_file = _with_servers(s, tmp_path, ServerEntry("resources", "resources", url))
+        runner = CliRunner()
+        env = {"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
+        args = ["checkpoint", "--cluster", str(cluster_file), "--id", "c1", "--json"]
+        result = await anyio.to_thread.run_sync(lambda: runner.invoke(build_app(), args, env=env))
+        assert result.exit_code == 0, result.output
+        assert "warning: resources: control routes disabled" in result.stderr
+        # with the policy server's routes off too, the refusal names both
+        only = tmp_path / "disabled.toml"
+        servers = (ServerEntry("policy", "model", url), ServerEntry("resources", "resources", url))
+        write_cluster(only, Cluster(root=s.root, servers=servers))
+        code, out = await cli("checkpoint", "--cluster", str(only), "--id", "c2")
+        assert code == 1 and "control routes disabled on policy, resources" in out["error"], out

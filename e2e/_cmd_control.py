@@ -33,7 +33,7 @@ from protocols import EpisodeId, MidflightError
 
 from ._cluster import Cluster, read_cluster
 from ._cmd_serve import CONTROL_TOKEN_ENV
-from ._output import JsonOption, console, emit, error_console
+from ._output import JsonOption, console, emit, error_console, usage_error
 from ._status_table import CONTROL_DISABLED, answered, participant_rows, status_table
 
 T = TypeVar("T")
@@ -53,8 +53,7 @@ DeadlineOption = Annotated[
 def _token() -> str:
     token = os.environ.get(CONTROL_TOKEN_ENV, "")
     if not token:
-        error_console.print(f"[red]error[/red]: set {CONTROL_TOKEN_ENV} to the control token")
-        raise typer.Exit(2)
+        usage_error(f"set {CONTROL_TOKEN_ENV} to the control token")
     return token
 
 
@@ -62,8 +61,7 @@ def _load(path: Path) -> Cluster:
     try:
         return read_cluster(path)
     except ValueError as exc:
-        error_console.print(f"[red]error[/red]: {exc}")
-        raise typer.Exit(2) from None
+        usage_error(str(exc))
 
 
 def participant_urls(cluster: Cluster) -> list[str]:
@@ -135,7 +133,7 @@ def _episodes(keys: list[str]) -> list[EpisodeId]:
     try:
         return [EpisodeId.from_capture_key(key) for key in keys]
     except (MidflightError, ValueError) as exc:
-        raise typer.BadParameter(str(exc)) from None
+        usage_error(str(exc))
 
 
 def _read_scope(path: Path | None) -> list[EpisodeId] | None:
@@ -144,9 +142,9 @@ def _read_scope(path: Path | None) -> list[EpisodeId] | None:
     try:
         keys = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise typer.BadParameter(f"cannot read scope file {path}: {exc}") from None
+        usage_error(f"cannot read scope file {path}: {exc}")
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        raise typer.BadParameter(f"{path}: the scope is a JSON array of capture keys")
+        usage_error(f"{path}: the scope is a JSON array of capture keys")
     return _episodes(keys)
 
 
@@ -261,9 +259,9 @@ def register(app: typer.Typer) -> None:
                 read_checkpoint(servers.root, source) if source else read_latest(servers.root)
             )
         except (MidflightError, ValueError) as exc:
-            raise typer.BadParameter(str(exc)) from None
+            usage_error(str(exc))
         if manifest is None:
-            raise typer.BadParameter(f"nothing is published under {servers.root}")
+            usage_error(f"nothing is published under {servers.root}")
         operation = f"restore-{int(time.time() * 1000)}"
         directory = str(checkpoint_directory(servers.root, manifest.checkpoint_id))
 

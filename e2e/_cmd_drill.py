@@ -171,17 +171,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
         if fault is not None and fault not in FAULTS:
-            raise typer.BadParameter(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
+            usage_error(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:
-            raise typer.BadParameter(f"unknown verify mode {verify!r}; known: {list(VERIFY_MODES)}")
+            usage_error(f"unknown verify mode {verify!r}; known: {list(VERIFY_MODES)}")
         if resources_mode not in RESOURCES_MODES:
-            raise typer.BadParameter(
+            usage_error(
                 f"unknown resources mode {resources_mode!r}; known: {list(RESOURCES_MODES)}"
             )
         if sequence_case is not None and sequence_case not in NAMED_CASES:
-            raise typer.BadParameter(
-                f"unknown sequence case {sequence_case!r}; known: {sorted(NAMED_CASES)}"
-            )
+            usage_error(f"unknown sequence case {sequence_case!r}; known: {sorted(NAMED_CASES)}")
         if sequence_case is not None:
             sequences = 1
         if keep_dir is not None:
@@ -240,8 +238,7 @@ def register(app: typer.Typer) -> None:
                     baseline_dir=baseline.resolve() if baseline else None,
                 )
         except ValueError as exc:  # a kept baseline of other rollouts: nothing was run
-            error_console.print(f"[red]error[/red]: {exc}")
-            raise typer.Exit(2) from exc
+            usage_error(str(exc))
         finally:
             if keep_dir is None:
                 shutil.rmtree(work, ignore_errors=True)

@@ -16,7 +16,7 @@ from coordinator import PUBLISH_FAULTS
 from ._drill import FAULTS, DrillOptions
 from ._drill_progress import is_progress_line
 from ._matrix import cells_json, parse_cells, run_matrix
-from ._output import console, emit, error_console
+from ._output import console, emit, error_console, usage_error
 
 
 def run_matrix_command(
@@ -25,16 +25,16 @@ def run_matrix_command(
     """Run the cells of ``spec``; exit 0 only when every cell is green.
 
     Raises:
-        typer.BadParameter: An unknown cell set, cell or fault.
+        typer.Exit: 2 for an unknown cell set, cell or fault (one line).
         typer.Exit: Always, with 1 when any cell failed.
     """
     try:
         cells = parse_cells(spec)
     except ValueError as exc:
-        raise typer.BadParameter(str(exc), param_hint="--matrix") from exc
+        usage_error(f"--matrix: {exc}")
     known = sorted({*FAULTS, *PUBLISH_FAULTS})
     if options.fault is not None and options.fault not in known:
-        raise typer.BadParameter(f"unknown fault {options.fault!r}; known: {known}")
+        usage_error(f"unknown fault {options.fault!r}; known: {known}")
     work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-matrix-"))
 
     def on_line(line: str) -> None:

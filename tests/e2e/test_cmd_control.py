@@ -347,3 +347,28 @@ async def test_the_control_commands_name_a_server_without_control_routes(tmp_pat
         write_cluster(only, Cluster(root=s.root, servers=servers))
         code, out = await cli("checkpoint", "--cluster", str(only), "--id", "c2")
         assert code == 1 and "control routes disabled on policy, resources" in out["error"], out
+
+
+async def test_bad_arguments_of_the_control_commands_are_one_line_usage_errors(
+    tmp_path: Path,
+) -> None:
+    async with served(tmp_path) as s:
+        cluster = ("--cluster", str(s.cluster_file))
+        bad_scope = tmp_path / "scope.json"
+        bad_scope.write_text('{"not": "a list"}')
+        cases = [
+            ("retire", *cluster, "not a key!"),
+            ("checkpoint", *cluster, "--scope", str(tmp_path / "missing.json")),
+            ("checkpoint", *cluster, "--scope", str(bad_scope)),
+            ("restore", *cluster),  # nothing published yet
+        ]
+        runner = CliRunner()
+        for args in cases:
+            result = await anyio.to_thread.run_sync(
+                lambda args=args: runner.invoke(
+                    build_app(), list(args), env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
+                )
+            )
+            lines = [line for line in result.stderr.splitlines() if line.strip()]
+            assert result.exit_code == 2 and len(lines) == 1, (args, result.stderr)
+            assert lines[0].startswith("error: "), lines

@@ -19,8 +19,8 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in (
         "e2e._cmd_drill.run_drill",
-        "e2e._cmd_matrix.run_matrix_command",
-        "e2e._sequence_report.run_sequences_command",
+        "e2e._cmd_matrix.run_matrix",
+        "e2e._sequence_report.run_sequences",
     ):
         monkeypatch.setattr(name, ran)
 
@@ -60,3 +60,17 @@ def test_a_used_keep_dir_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == ["run"]
     a_file = tmp_path / "run" / "evidence.jsonl"
     assert "not a directory" in _refused("--keep-dir", str(a_file))
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (["--fault", "nope"], "unknown fault"),
+        (["--verify", "nope"], "unknown verify mode"),
+        (["--resources-mode", "nope"], "unknown resources mode"),
+        (["--sequence-case", "nope"], "unknown sequence case"),
+        (["--matrix", "nope"], "--matrix"),
+    ],
+)
+def test_unknown_names_are_one_line_usage_errors(args: list[str], said: str) -> None:
+    assert said in _refused(*args)

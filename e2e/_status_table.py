@@ -50,6 +50,7 @@ async def _row(name: str, url: str, token: str) -> dict[str, Any]:
         blockers=list(status.report.blockers),
         counts=dict(status.report.counts),
         retired_rollouts=status.retired_rollouts,
+        restore_fences=int((status.model_extra or {}).get("restore_fences", 0)),
     )
     return row
 
@@ -113,7 +114,9 @@ def status_table(rows: list[dict[str, Any]]) -> RenderableType:
         phase = row["phase"]
         if row["lease_left_s"] is not None:
             phase += f"\nlease {row['lease_left_s']} s"
-        counts = "\n".join(f"{k}={v}" for k, v in sorted(row["counts"].items()))
+        marks = {"retired": row["retired_rollouts"], "fenced": row["restore_fences"]}
+        shown = {**row["counts"], **{k: v for k, v in marks.items() if v}}
+        counts = "\n".join(f"{k}={v}" for k, v in sorted(shown.items()))
         table.add_row(
             _name_and_kind(row),
             phase,

@@ -372,3 +372,19 @@ async def test_bad_arguments_of_the_control_commands_are_one_line_usage_errors(
             lines = [line for line in result.stderr.splitlines() if line.strip()]
             assert result.exit_code == 2 and len(lines) == 1, (args, result.stderr)
             assert lines[0].startswith("error: "), lines
+
+
+async def test_status_counts_restore_fences_apart_from_retire_marks(tmp_path: Path) -> None:
+    async with served(tmp_path) as s:
+        cluster = ("--cluster", str(s.cluster_file))
+        scope = tmp_path / "scope.json"
+        scope.write_text(json.dumps([R1.capture_key]))
+        code, _ = await cli("checkpoint", *cluster, "--scope", str(scope), "--id", "c1")
+        assert code == 0
+        code, _ = await cli("restore", *cluster)
+        assert code == 0
+        code, payload = await cli("status", *cluster)
+        rows = {row["server"]: row for row in payload["participants"]}
+        assert rows["policy"]["restore_fences"] == 1 and rows["policy"]["retired_rollouts"] == 0
+        code, output = await status_output(s.cluster_file)
+        assert "fenced=1" in output and "retired=" not in output

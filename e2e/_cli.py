@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 import typer
+import typer.rich_utils
 from typer.core import TyperOption
 
 from ._commands import COMMAND_MODULES
@@ -21,9 +23,20 @@ def _flag_display_type(self: TyperOption, ctx: Any) -> str | None:
     return _display_type_rich(self, ctx)
 
 
+def _one_line_error(self: Any) -> None:
+    # click's own errors (a missing or malformed option, a file that is not there) as one line on
+    # stderr, like the commands' usage errors, instead of a usage line, a hint and a boxed panel.
+    if type(self).__name__ == "NoArgsIsHelpError":  # the help was printed already
+        return
+    ctx = getattr(self, "ctx", None)
+    hint = f" (see {ctx.command_path} --help)" if ctx is not None else ""
+    sys.stderr.write(f"error: {self.format_message()}{hint}\n")
+
+
 def build_app() -> typer.Typer:
     """The command-line app with every registered sub-command."""
     TyperOption.display_type_rich = _flag_display_type  # type: ignore[method-assign]
+    typer.rich_utils.rich_format_error = _one_line_error
     app = typer.Typer(
         name="midflight",
         help="Checkpoint reinforcement-learning rollouts in flight; restore them after a crash.",

@@ -106,3 +106,20 @@ def test_help_shows_no_value_placeholder_for_a_flag(command: list[str]) -> None:
     assert "--help" in result.output
     assert "<bool>" not in result.output, result.output
     assert "<int" in result.output or "<file>" in result.output  # values still show theirs
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["status"],  # a required option left out
+        ["status", "--cluster", "/nonexistent/cluster.toml"],
+        ["drill", "--rollouts", "many"],
+        ["verify"],
+        ["no-such-command"],
+    ],
+)
+def test_click_s_own_usage_errors_are_one_line_and_exit_2(args: list[str]) -> None:
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "80"})
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and "--help" in lines[0]

@@ -220,19 +220,46 @@ def repeated_model_calls(
 ) -> RepeatedCalls:
     """Count the model calls executed again after a restore (admit or egress, once each)."""
     egress_by_call = {e["model_call_id"]: e for e in policy if e.get("event") == "egress"}
+    delivered = [
+        _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
+        for restore in driver
+        if restore.get("event") == "restore"
+    ]
+    return count_repeats(driver, policy, delivered)
+
+
+def count_repeats(
+    driver: Sequence[Mapping[str, Any]],
+    policy: Sequence[Mapping[str, Any]],
+    delivered: Sequence[set[tuple[str, str]]],
+) -> RepeatedCalls:
+    """Count repeats, given (rollout, request digest) delivered at each restore, in order.
+
+    An execution after restore *i* of a call that restore's checkpoint had delivered is a repeat,
+    unless the rollout ran again from its input in between: a rerun (its own window, D219) starts
+    a lineage that owes nothing to restore *i*, so what descends from it — a later checkpoint of
+    the rerun, restored — may make those calls once more (D219).
+    """
     executions = [e for e in policy if e.get("event") in ("admit", "egress")]
     windows = reruns_from_input(driver)
+    rerun_starts: dict[str, list[float]] = {}
+    for window in windows:
+        rollout = EpisodeId.from_capture_key(window.capture_key).rollout_id
+        rerun_starts.setdefault(rollout, []).append(window.start)
+    restores = [e for e in driver if e.get("event") == "restore"]
     repeated: set[tuple[str, str, float]] = set()
     by_rerun: set[tuple[str, str, float]] = set()
-    for restore in (e for e in driver if e.get("event") == "restore"):
-        delivered = _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
+    for restore, delivered_then in zip(restores, delivered, strict=True):
         for event in executions:
             rollout = EpisodeId.from_capture_key(event["capture_key"]).rollout_id
-            if event["t"] <= restore["t"] or (rollout, event["request_digest"]) not in delivered:
+            t = event["t"]
+            if t <= restore["t"] or (rollout, event["request_digest"]) not in delivered_then:
                 continue
-            found = (rollout, event["request_digest"], event["t"])
-            if any(w.covers(event["capture_key"], event["t"]) for w in windows):
+            found = (rollout, event["request_digest"], t)
+            if any(w.covers(event["capture_key"], t) for w in windows):
                 by_rerun.add(found)
+            elif any(restore["t"] < start < t for start in rerun_starts.get(rollout, [])):
+                by_rerun.add(found)  # descends from a rerun since that restore, not from it
             else:
                 repeated.add(found)
     return RepeatedCalls(repeated=len(repeated), by_rerun=len(by_rerun - repeated))

@@ -11,7 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from e2e._oracle import RerunWindow, calls_by_incarnation, reruns_from_input
+from e2e._oracle import (
+    RepeatedCalls,
+    RerunWindow,
+    calls_by_incarnation,
+    count_repeats,
+    reruns_from_input,
+)
 
 
 def _dispatch(rollout: str, attempt: int, t: float) -> dict[str, Any]:
@@ -89,3 +95,28 @@ def test_calls_are_counted_per_incarnation() -> None:
         {"event": "egress", "capture_key": "r4-a1", "t": 30},
     ]
     assert calls_by_incarnation(driver, policy) == {"r4": [2, 0, 0], "r4-a1": [0, 2, 4]}
+
+
+def _call(key: str, digest: str, t: float) -> dict[str, Any]:
+    return {"event": "admit", "capture_key": key, "t": t, "request_digest": digest}
+
+
+def test_a_call_a_restored_checkpoint_delivered_repeats_unless_a_rerun_came_in_between() -> None:
+    # Seed 108 of the hunt: restore 1 delivered r1's call "c"; r1-a1 is retired and r1-a2 reruns
+    # from input; its checkpoint (before it made "c") is restored as r1-a3, which makes "c":
+    # no repeat. Without the rerun, r1-a3 making "c" after restore 1 is one.
+    rerun = [
+        {"event": "restore", "t": 10},
+        _dispatch("r1", 1, 11),
+        {"event": "retire", "key": "r1-a1", "t": 12},
+        _dispatch("r1", 2, 13),
+        {"event": "crash", "phase": 1, "t": 14},
+        {"event": "restore", "t": 15},
+        _dispatch("r1", 3, 16),
+    ]
+    policy = [_call("r1-a2", "c", 13.5), _call("r1-a3", "c", 17)]
+    delivered = [{("r1", "c")}, set()]
+    assert count_repeats(rerun, policy, delivered) == RepeatedCalls(repeated=0, by_rerun=2)
+    continued = [e for e in rerun if e.get("event") != "retire" and e.get("attempt") != 2]
+    policy = [_call("r1-a3", "c", 17)]
+    assert count_repeats(continued, policy, delivered) == RepeatedCalls(repeated=1, by_rerun=0)

@@ -25,6 +25,7 @@ def register(serve_app: typer.Typer) -> None:
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
         workers: ServeOptions.Workers = 1,
+        checkpoint_root: ServeOptions.CheckpointRoot = None,
         episode_seconds: Annotated[
             float,
             typer.Option(
@@ -35,7 +36,12 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The environment server (default port 8705): episodes via the agent and resources."""
         options = serve_options_from(
-            name=name, port=port, cluster=cluster, root=root, workers=workers
+            name=name,
+            port=port,
+            cluster=cluster,
+            root=root,
+            workers=workers,
+            checkpoint_root=checkpoint_root,
         )
         app = create_environment_app(options, episode_seconds=episode_seconds)
         run_server(app, options)

@@ -204,7 +204,7 @@ def create_environment_app(
         episode_seconds=episode_seconds,
         clock=clock,
     )
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(ctx))
 
     @asynccontextmanager
     async def episodes(_app: FastAPI) -> AsyncIterator[None]:

@@ -418,7 +418,7 @@ def create_model_app(
         async with server.running(), requester.running():
             yield
 
-    plane = ControlPlane(participant, settings=control_settings(), telemetry=telemetry)
+    plane = ControlPlane(participant, settings=control_settings(ctx), telemetry=telemetry)
     app = participant_app(
         plane, token=ctx.control_token, title="midflight policy server", lifespan=lifespan
     )

@@ -239,7 +239,7 @@ def create_resources_app(
     """
     counters = CounterSessions()
     participant = ResourcesParticipant(ctx.name, counters, mode=mode, verify=verify)
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(ctx))
     app = participant_app(plane, token=ctx.control_token, title="midflight resources server")
     app.state.participant = participant
     app.state.plane = plane

@@ -108,7 +108,7 @@ async def _coordinate(
         if kind == "model"
         else WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
     )
-    plane = ControlPlane(coordinator, settings=control_settings())
+    plane = ControlPlane(coordinator, settings=control_settings(ctx))
     path = private_socket_path(instance)
     listener = await listen_private(path)
     peers = ",".join(str(s.getsockname()[1]) for s in privates)

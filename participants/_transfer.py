@@ -8,6 +8,7 @@ cancelled, only stopped before publication by ``resume``.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,18 +48,47 @@ if TYPE_CHECKING:
     from ._runtime import ControlPlane
 
 
-def checkpoint_path(checkpoint_dir: str) -> Path:
-    """The checkpoint directory of a request; it must be absolute.
+def checkpoint_path(checkpoint_dir: str, root: Path | None = None) -> Path:
+    """The checkpoint directory of a request: absolute, and under ``root`` when one is set.
+
+    With a root, the path is returned resolved (``..`` and every existing symlink followed), so
+    what is written or read is exactly what was checked.
 
     Raises:
-        InvalidRequestError: The path is relative (it would depend on the server's cwd).
+        InvalidRequestError: The path is relative (it would depend on the server's cwd), or it
+            leaves the checkpoint root.
     """
     path = Path(checkpoint_dir)
     if not path.is_absolute():
         raise InvalidRequestError(
             f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
         )
-    return path
+    if root is None:
+        return path
+    base = Path(os.path.realpath(root))
+    resolved = Path(os.path.realpath(path))
+    if resolved != base and base not in resolved.parents:
+        raise InvalidRequestError(
+            f"checkpoint_dir {checkpoint_dir!r} is outside the checkpoint root {str(base)!r} "
+            "(after resolving '..' and symlinks); nothing was read or written"
+        )
+    return resolved
+
+
+def participant_path(plane: ControlPlane, checkpoint_dir: str) -> tuple[Path, Path]:
+    """The checkpoint directory of a request and this participant's directory inside it.
+
+    Both are checked against the plane's checkpoint root: a symlink below the checkpoint
+    directory must not lead out of the root either.
+
+    Raises:
+        InvalidRequestError: Either path is relative or leaves the checkpoint root.
+    """
+    root = plane.settings.checkpoint_root
+    directory = checkpoint_path(checkpoint_dir, root)
+    participant = plane.participant
+    own = Path(participant_directory(directory, participant.kind, participant.instance))
+    return directory, checkpoint_path(str(own), root)
 
 
 def record_episode(record: Any, index: int) -> EpisodeId:
@@ -86,7 +116,7 @@ def _in_scope(wanted: frozenset[str], record: dict[str, Any]) -> bool:
 class _Commit:
     checkpoint_id: str
     args: tuple[str, tuple[str, ...] | None]
-    directory: Path
+    directory: Path  # this participant's own directory inside the checkpoint
     scope: list[EpisodeId] | None
     export_job: Job[list[Record]] | None = None
     writer: RecordsWriter | None = None
@@ -113,7 +143,7 @@ class CommitProcedure:
         """Run (or rejoin) the commit of ``request.checkpoint_id``."""
         plane = self._plane
         plane.check_deadline(request.deadline_ts)
-        directory = checkpoint_path(request.checkpoint_dir)
+        directory, own = participant_path(plane, request.checkpoint_dir)
         scope = request.episode_ids
         scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
         args = (str(directory), scope_keys)
@@ -143,7 +173,7 @@ class CommitProcedure:
                     raise RestartInScopeError(
                         f"the scope names episodes reported as restarts: {sorted(clash)[:10]}"
                     )
-                commit = _Commit(request.checkpoint_id, args, directory, scope)
+                commit = _Commit(request.checkpoint_id, args, own, scope)
                 self._current = commit
             if commit.export_job is None or commit.export_job.failed:
                 commit.export_job = Job.start(
@@ -193,7 +223,7 @@ class CommitProcedure:
         plane = self._plane
         participant = plane.participant
         writer = RecordsWriter(
-            Path(participant_directory(commit.directory, participant.kind, participant.instance)),
+            commit.directory,
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=commit.checkpoint_id,
@@ -295,7 +325,7 @@ class RestoreProcedure:
         plane = self._plane
         participant = plane.participant
         plane.check_deadline(request.deadline_ts)
-        directory = checkpoint_path(request.checkpoint_dir)
+        directory, own = participant_path(plane, request.checkpoint_dir)
         scope = list(request.episode_ids)
         scope_keys = sorted_capture_keys(scope)
         args = (str(directory), tuple(scope_keys))
@@ -310,7 +340,7 @@ class RestoreProcedure:
         share = await anyio.to_thread.run_sync(
             functools.partial(
                 read_participant_checkpoint,
-                Path(participant_directory(directory, participant.kind, participant.instance)),
+                own,
                 kind=participant.kind,
                 instance=participant.instance,
                 select=functools.partial(_in_scope, frozenset(scope_keys)),

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from participants import (
+    BodyLimit,
     FileTokenStagingStore,
     authorized,
     error_response,
@@ -108,6 +109,7 @@ def create_worker_app(
         redoc_url=None,
     )
     app.state.engine = engine
+    app.add_middleware(BodyLimit)  # every route, the cut route included (D241)
 
     install_error_envelope(app)
 

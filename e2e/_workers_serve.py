@@ -32,6 +32,7 @@ from fastapi import FastAPI
 
 from participants import (
     SOCKET_ENV,
+    BodyLimit,
     ControlPlane,
     ModelCoordinator,
     Placement,
@@ -77,7 +78,8 @@ def run_worker(app: FastAPI, ctx: ServeContext) -> None:
 
     app.router.lifespan_context = lifespan
     routed = WorkerRouting(app, member=member, slot=slot, peers=peers, token=ctx.control_token)
-    config = uvicorn.Config(routed, log_level="warning", access_log=False, lifespan="on")
+    # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
+    config = uvicorn.Config(BodyLimit(routed), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[shared, private])
 
 

@@ -25,6 +25,8 @@ from ._environment_types import (
 )
 from ._episode_steps import EpisodeSteps, TrackedEpisode
 from ._http import (
+    DEFAULT_MAX_BODY_BYTES,
+    BodyLimit,
     authorized,
     control_router,
     describe_validation_error,
@@ -110,6 +112,7 @@ __all__ = [
     "CAPTURE_FILE_SUFFIXES",
     "CONTROL_EVENTS",
     "DEFAULT_ADMISSION_WAIT_SECONDS",
+    "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
@@ -137,6 +140,7 @@ __all__ = [
     "AgentSessionState",
     "AgentTaskInput",
     "BaseParticipant",
+    "BodyLimit",
     "CaptureAdapter",
     "CaptureError",
     "ChangeNotifier",

@@ -384,3 +384,16 @@ async def test_a_child_call_resolves_its_prefix_from_the_staging_chain(tmp_path:
             "ng_capture": {**body["ng_capture"], "model_call_id": "c4"},
         }
         assert (await client.post("/v1/completions", json=wrong_prompt)).status_code == 422
+
+
+async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Path) -> None:
+    from participants import DEFAULT_MAX_BODY_BYTES
+
+    async with worker(tmp_path) as (client, engine):
+        huge = b'{"prompt_token_ids": [' + b"1," * (DEFAULT_MAX_BODY_BYTES // 2) + b"1]}"
+        reply = await client.post(
+            "/v1/completions", content=huge, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 413
+        assert reply.json()["error"]["code"] == "request_too_large"
+        assert engine.live == {}

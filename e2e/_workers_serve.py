@@ -43,6 +43,7 @@ from participants import (
 )
 
 from ._cmd_serve import HOST, ServeContext, bind_listening_socket, control_settings
+from ._lifeline import Lifeline
 from ._workers_routing import WorkerRouting
 
 SLOT_ENV: Final = "MIDFLIGHT_WORKER_SLOT"
@@ -116,10 +117,15 @@ async def _coordinate(
     peers = ",".join(str(s.getsockname()[1]) for s in privates)
     stop = anyio.Event()
     processes: dict[int, subprocess.Popen[bytes]] = {}
+    lifelines: dict[int, Lifeline] = {}
 
     def start(slot: int) -> None:
+        if slot in lifelines:
+            lifelines.pop(slot).cut()
+        lifeline = lifelines[slot] = Lifeline()  # a worker dies with its coordinator (D242)
         env = {
             **os.environ,
+            **lifeline.env,
             SOCKET_ENV: str(path),
             SLOT_ENV: str(slot),
             SHARED_FD_ENV: str(shared.fileno()),
@@ -131,8 +137,9 @@ async def _coordinate(
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
-            pass_fds=(shared.fileno(), privates[slot].fileno()),
+            pass_fds=(shared.fileno(), privates[slot].fileno(), *lifeline.pass_fds),
         )
+        lifeline.started()
         _log.info("worker.started", participant=instance, slot=slot, pid=processes[slot].pid)
 
     async def watch_workers() -> None:

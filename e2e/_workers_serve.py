@@ -32,6 +32,7 @@ from fastapi import FastAPI
 
 from participants import (
     SOCKET_ENV,
+    SOCKET_OWNER_FILE,
     BodyLimit,
     ControlPlane,
     ModelCoordinator,
@@ -172,6 +173,7 @@ async def _coordinate(
 
 def _remove_socket(path: Path) -> None:
     path.unlink(missing_ok=True)
+    (path.parent / SOCKET_OWNER_FILE).unlink(missing_ok=True)
     path.parent.rmdir()
 
 

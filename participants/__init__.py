@@ -101,9 +101,11 @@ from ._worker_channel import (
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
     SOCKET_ENV,
+    SOCKET_OWNER_FILE,
     Channel,
     listen_private,
     private_socket_path,
+    remove_stale_socket_dirs,
 )
 from ._worker_member import REPORT_POLL_SECONDS, WorkerMember
 from ._workers import Placement, WorkerCoordinator, WorkerState, slot_of
@@ -129,6 +131,7 @@ __all__ = [
     "RESOURCES_MODES",
     "RETIRE_STEPS",
     "SOCKET_ENV",
+    "SOCKET_OWNER_FILE",
     "TEST_HOOKS_ENV",
     "VERIFY_MODES",
     "WRITE_STEPS",
@@ -209,6 +212,7 @@ __all__ = [
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",
+    "remove_stale_socket_dirs",
     "slot_of",
     "write_file_durably",
 ]

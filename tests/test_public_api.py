@@ -63,7 +63,7 @@ PUBLIC = {
         "FRAME_MAX_BYTES", "GENERATION_CUT_OUTCOMES", "KILL_BOUNDARIES", "KILL_FILE_ENV",
         "KILL_POINT_ENV", "LOCK_DIRECTORY", "MESSAGE_TIMEOUT_SECONDS", "MODEL_FAULTS",
         "REPLY_GRACE_SECONDS", "REPORT_POLL_SECONDS", "RESOURCES_MODES", "RETIRE_STEPS",
-        "SOCKET_ENV", "TEST_HOOKS_ENV", "VERIFY_MODES", "WRITE_STEPS", "ActiveCall",
+        "SOCKET_ENV", "SOCKET_OWNER_FILE", "TEST_HOOKS_ENV", "VERIFY_MODES", "WRITE_STEPS", "ActiveCall",
         "AgentParticipant", "AgentPeers", "AgentSession", "AgentSessionHooks",
         "AgentSessionState", "AgentTaskInput", "BaseParticipant", "BodyLimit", "CaptureAdapter",
         "CaptureError", "ChangeNotifier", "Channel", "Clock", "ControlPlane",
@@ -83,7 +83,7 @@ PUBLIC = {
         "generation_cut_restart_reason", "install_error_envelope", "ledger_control_router",
         "listen_private", "make_directory_durable", "participant_app",
         "private_socket_path", "read_kill_announcements", "read_participant_checkpoint",
-        "rebuild_generation_cut", "slot_of", "write_file_durably",
+        "rebuild_generation_cut", "remove_stale_socket_dirs", "slot_of", "write_file_durably",
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "DEFAULT_CONTROL_ATTEMPTS",

@@ -70,6 +70,12 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+def _socket_dir(worker_pid: int) -> Path:
+    environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
+    named = [v for v in environ if v.startswith(b"MIDFLIGHT_WORKER_SOCKET=")]
+    return Path(named[0].split(b"=", 1)[1].decode()).parent
+
+
 def _rollouts_on_both_slots() -> list[str]:
     by_slot: dict[int, list[str]] = {0: [], 1: []}
     for n in range(64):
@@ -126,9 +132,14 @@ def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_who
         assert blockers() == []
     port = int(process.url.rsplit(":", 1)[1])
     workers = [event["pid"] for event in _events(log, "worker.joined")]
+    socket_dir = _socket_dir(workers[-1])
     process.kill()
     for pid in workers:  # SIGKILL of the group left no worker behind
         _wait(lambda pid=pid: not _running(pid), f"worker {pid} to die")
+    assert socket_dir.exists()  # nobody removes it under SIGKILL ...
+    with ServerProcess(process.argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=log):
+        # ... so the next start of the same server does (D243)
+        _wait(lambda: not socket_dir.exists(), "the dead server's socket directory to go")
     with socket.socket() as probe:
         # As a new server binds it (uvicorn sets SO_REUSEADDR): connections the kill left in
         # TIME_WAIT do not count, a process still listening does.

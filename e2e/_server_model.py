@@ -400,6 +400,7 @@ def create_model_app(
         registry=telemetry.registry,
         faults=[fault] if fault in MODEL_FAULTS else [],
         cut_requester=requester,
+        call_aborter=requester.abort,
         admission_wait_seconds=(
             DEFAULT_ADMISSION_WAIT_SECONDS
             if admission_wait_seconds is None

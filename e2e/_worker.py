@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -25,11 +26,14 @@ from participants import (
     install_error_envelope,
 )
 from protocols import (
+    AbortCallsReply,
+    AbortCallsRequest,
     CompletionReply,
     CompletionRequest,
     GenerationCutInventory,
     GenerationCutReceipt,
     InternalError,
+    StaleAttemptError,
     TokenStagingStore,
     UnauthorizedError,
 )
@@ -39,6 +43,7 @@ from ._worker_engine import WorkerEngine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
 GENERATION_CUT_ROUTE: Final = "/ng-control/v1/generation-cut"
+ABORT_ROUTE: Final = "/ng-control/v1/abort"
 DEFAULT_WORKER_PORT: Final = 8701
 
 
@@ -126,8 +131,27 @@ def create_worker_app(
         response_model=CompletionReply,
         responses=error_responses((), authenticated=False),
     )
-    async def completions(body: CompletionRequest) -> CompletionReply:
-        return await engine.complete(body)
+    async def completions(body: CompletionRequest, request: Request) -> CompletionReply:
+        # A caller that goes away (a retired or cancelled call) stops the generation (D245).
+        outcome: list[CompletionReply | Exception] = []
+        async with anyio.create_task_group() as group:
+
+            async def until_disconnected() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(until_disconnected)
+            try:
+                outcome.append(await engine.complete(body))
+            except Exception as exc:  # raised below, outside the task group's exception group
+                outcome.append(exc)
+            group.cancel_scope.cancel()
+        if not outcome:
+            raise StaleAttemptError("the caller went away; the generation was stopped")
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        return outcome[0]
 
     if settings.control_token:
 
@@ -138,6 +162,11 @@ def create_worker_app(
         )
         async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
             return await engine.cut(body)
+
+        @app.post(ABORT_ROUTE, response_model=AbortCallsReply, responses=error_responses(()))
+        async def abort(body: AbortCallsRequest) -> AbortCallsReply:
+            """Stop these calls; answers once they have left (nothing more of them is staged)."""
+            return AbortCallsReply(aborted=await engine.abort(body.model_call_ids))
 
         app.add_middleware(_BearerGuard, token=settings.control_token)
     return app

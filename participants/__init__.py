@@ -56,7 +56,7 @@ from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger_memory import MemoryCaptureLedger
 from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
-from ._model import MODEL_FAULTS, ModelParticipant
+from ._model import MODEL_FAULTS, CallAborter, ModelParticipant
 from ._model_cuts import CutRequester, generation_cut_restart_reason
 from ._model_gate import ModelTicket
 from ._model_workers import ModelCoordinator
@@ -144,6 +144,7 @@ __all__ = [
     "AgentTaskInput",
     "BaseParticipant",
     "BodyLimit",
+    "CallAborter",
     "CaptureAdapter",
     "CaptureError",
     "ChangeNotifier",

@@ -181,7 +181,13 @@ from ._tokens import (
     render_message,
     render_prompt,
 )
-from ._worker_api import MAX_COMPLETION_TOKENS, CompletionReply, CompletionRequest
+from ._worker_api import (
+    MAX_COMPLETION_TOKENS,
+    AbortCallsReply,
+    AbortCallsRequest,
+    CompletionReply,
+    CompletionRequest,
+)
 
 __all__ = [
     "ALLOWED_PHASES",
@@ -227,6 +233,8 @@ __all__ = [
     "SAFE_NAME_PATTERN",
     "STAGING_DIGEST_VERSION",
     "STAGING_SCHEMA_VERSION",
+    "AbortCallsReply",
+    "AbortCallsRequest",
     "ActivationOutOfOrderError",
     "AdmissionClosedError",
     "CallRecord",

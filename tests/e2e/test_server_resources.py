@@ -399,3 +399,24 @@ def test_serve_takes_a_checkpoint_root_and_defaults_to_the_run_root(tmp_path: Pa
         name="r", port=0, cluster=None, root=tmp_path / "run", checkpoint_root=tmp_path / "ck"
     )
     assert control_settings(chosen).checkpoint_root == (tmp_path / "ck").resolve()
+
+
+async def test_a_verify_that_outlives_its_session_is_refused_typed_not_a_500(
+    tmp_path: Path,
+) -> None:
+    async with resources(tmp_path, verify_delay_ms=300.0) as (client, _app):
+        sid = await seed(client, "r1")
+        replies: list[httpx.Response] = []
+
+        async def slow_verify() -> None:
+            replies.append(await client.post("/ng-rollout/r1/verify", headers=cookie(sid)))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(slow_verify)
+            await anyio.sleep(0.05)
+            # The caller gave up (its read timed out) and closed the session meanwhile.
+            closed = await client.post("/close_session", headers=cookie(sid))
+            assert closed.status_code == 200
+        (late,) = replies
+        assert code(late) == (409, "checkpoint_error")
+        assert "closed while its verify ran" in late.json()["error"]["detail"]

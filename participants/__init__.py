@@ -14,6 +14,7 @@ from ._agent import AgentParticipant
 from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
 from ._agent_restart_only import RestartOnlyAgentParticipant
 from ._agent_session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput, choose_tool
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
 from ._environment import EnvironmentParticipant
@@ -25,8 +26,6 @@ from ._environment_types import (
 )
 from ._episode_steps import EpisodeSteps, TrackedEpisode
 from ._http import (
-    DEFAULT_MAX_BODY_BYTES,
-    BodyLimit,
     authorized,
     control_router,
     describe_validation_error,

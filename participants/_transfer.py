@@ -8,7 +8,6 @@ cancelled, only stopped before publication by ``resume``.
 from __future__ import annotations
 
 import functools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,17 +25,16 @@ from protocols import (
     EpisodeId,
     InvalidCheckpointStateError,
     InvalidPhaseError,
-    InvalidRequestError,
     Phase,
     PhaseEvent,
     RestartInScopeError,
     RestoreReply,
     RestoreRequest,
     StaleCheckpointError,
-    participant_directory,
     sorted_capture_keys,
 )
 
+from ._checkpoint_root import participant_path
 from ._clock import wait_until
 from ._jobs import Job
 from ._participant import Record
@@ -46,49 +44,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._runtime import ControlPlane
-
-
-def checkpoint_path(checkpoint_dir: str, root: Path | None = None) -> Path:
-    """The checkpoint directory of a request: absolute, and under ``root`` when one is set.
-
-    With a root, the path is returned resolved (``..`` and every existing symlink followed), so
-    what is written or read is exactly what was checked.
-
-    Raises:
-        InvalidRequestError: The path is relative (it would depend on the server's cwd), or it
-            leaves the checkpoint root.
-    """
-    path = Path(checkpoint_dir)
-    if not path.is_absolute():
-        raise InvalidRequestError(
-            f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
-        )
-    if root is None:
-        return path
-    base = Path(os.path.realpath(root))
-    resolved = Path(os.path.realpath(path))
-    if resolved != base and base not in resolved.parents:
-        raise InvalidRequestError(
-            f"checkpoint_dir {checkpoint_dir!r} is outside the checkpoint root {str(base)!r} "
-            "(after resolving '..' and symlinks); nothing was read or written"
-        )
-    return resolved
-
-
-def participant_path(plane: ControlPlane, checkpoint_dir: str) -> tuple[Path, Path]:
-    """The checkpoint directory of a request and this participant's directory inside it.
-
-    Both are checked against the plane's checkpoint root: a symlink below the checkpoint
-    directory must not lead out of the root either.
-
-    Raises:
-        InvalidRequestError: Either path is relative or leaves the checkpoint root.
-    """
-    root = plane.settings.checkpoint_root
-    directory = checkpoint_path(checkpoint_dir, root)
-    participant = plane.participant
-    own = Path(participant_directory(directory, participant.kind, participant.instance))
-    return directory, checkpoint_path(str(own), root)
 
 
 def record_episode(record: Any, index: int) -> EpisodeId:

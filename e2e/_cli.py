@@ -11,6 +11,7 @@ import typer.rich_utils
 from typer.core import TyperOption
 
 from ._commands import COMMAND_MODULES
+from ._lifeline import hold_lifeline, terminate_as_interrupt
 
 _display_type_rich = TyperOption.display_type_rich
 
@@ -50,5 +51,16 @@ def build_app() -> typer.Typer:
 
 
 def main() -> None:
-    """Entry point of the ``midflight`` script."""
-    build_app()()
+    """Entry point of the ``midflight`` script.
+
+    A process the harness started dies with its parent (its lifeline, D242). Every command but
+    ``serve`` cleans up on SIGTERM and SIGHUP as on Ctrl-C; a server keeps its own handlers
+    (uvicorn's, or the several-worker coordinator's).
+    """
+    hold_lifeline()
+    app = build_app()
+    if sys.argv[1:2] == ["serve"]:
+        app()
+        return
+    with terminate_as_interrupt():
+        app()

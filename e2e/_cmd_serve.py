@@ -56,6 +56,13 @@ class ServeOptions:
         Path | None,
         typer.Option("--root", help="Run root; default: the cluster file's, else ./midflight-run."),
     ]
+    CheckpointRoot = Annotated[
+        Path | None,
+        typer.Option(
+            "--checkpoint-root",
+            help="Commit and restore only checkpoint directories under DIR; default: the run root.",
+        ),
+    ]
     Workers = Annotated[
         int,
         typer.Option(
@@ -78,6 +85,12 @@ class ServeContext:
     control_token: str | None
     capture_token: str | None
     workers: int = 1
+    checkpoint_root: Path | None = None
+
+    @property
+    def checkpoints_under(self) -> Path:
+        """The checkpoint root: ``checkpoint_root`` when given, else the run root (D240)."""
+        return (self.checkpoint_root or self.root).resolve()
 
     def peer_url(self, role: Role) -> str:
         """The URL of the peer of ``role`` (from the cluster file, else its default port)."""
@@ -85,7 +98,13 @@ class ServeContext:
 
 
 def serve_options_from(
-    *, name: str, port: int, cluster: Path | None, root: Path | None, workers: int = 1
+    *,
+    name: str,
+    port: int,
+    cluster: Path | None,
+    root: Path | None,
+    workers: int = 1,
+    checkpoint_root: Path | None = None,
 ) -> ServeContext:
     """Resolve the shared options of ``serve <role>``."""
     parsed = read_cluster(cluster) if cluster is not None else None
@@ -100,6 +119,7 @@ def serve_options_from(
         control_token=control,
         capture_token=capture,
         workers=workers,
+        checkpoint_root=None if checkpoint_root is None else checkpoint_root.resolve(),
     )
 
 
@@ -113,12 +133,16 @@ def active_fault() -> str | None:
     return os.environ.get(FAULT_ENV) or None
 
 
-def control_settings() -> ControlSettings:
-    """The control-plane settings of a reference server (faults included)."""
+def control_settings(ctx: ServeContext) -> ControlSettings:
+    """The control-plane settings of a reference server (faults included).
+
+    Commit and restore are confined to ``ctx.checkpoints_under`` (D240).
+    """
     grace = os.environ.get(LEASE_GRACE_ENV)
     return ControlSettings(
         fence_on_restore=active_fault() != "no-restore-fence",
         lease_grace_seconds=float(grace) if grace else DEFAULT_LEASE_GRACE_SECONDS,
+        checkpoint_root=ctx.checkpoints_under,
     )
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ._evidence import EvidenceLog
+from ._lifeline import Lifeline
 from ._oracle import Figures, compute_figures, rollout_outcomes
 from ._supervisor import ExtraServer, Supervisor, SupervisorOptions
 
@@ -106,6 +107,7 @@ class DriverProcess:
         plan_path.write_text(json.dumps(plan))
         log = open(root / "logs" / f"driver-{plan['phase']}.log", "ab")  # noqa: SIM115
         self._log = log
+        self.lifeline = Lifeline()  # the controller dies with the drill, however it dies (D242)
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -122,9 +124,11 @@ class DriverProcess:
             stdout=subprocess.PIPE,
             stderr=log,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **env},
+            env={**os.environ, **env, **self.lifeline.env},
             start_new_session=True,
+            pass_fds=self.lifeline.pass_fds,
         )
+        self.lifeline.started()
         self._buffer = b""
 
     def lines(self, timeout: float, on_line: Callable[[str], None]) -> Iterator[str]:
@@ -155,6 +159,7 @@ class DriverProcess:
         """SIGKILL the controller's process group."""
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        self.lifeline.cut()
         self.process.wait(timeout=30)
         if self.process.stdout is not None:
             self.process.stdout.close()

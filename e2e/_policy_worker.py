@@ -12,8 +12,10 @@ from contextlib import asynccontextmanager
 from typing import Any, Final
 
 import httpx
+import structlog
 
 from protocols import (
+    AbortCallsRequest,
     CaptureAdmission,
     CheckpointCoordinatorUnavailableError,
     CompletionReply,
@@ -25,6 +27,11 @@ from protocols import (
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
 GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
+ABORT_PATH: Final = "/ng-control/v1/abort"
+ABORT_TIMEOUT_SECONDS: Final = 30.0
+"""An abort waits for a call's final staging at most; a worker that does not answer is down."""
+_log = structlog.get_logger("midflight.policy")
+
 CONTROL_POOL: Final = httpx.Limits(max_connections=8, max_keepalive_connections=4)
 CUT_REFUSED_STATUSES: Final = frozenset({400, 422})
 """Worker answers to a call carrying a cut that mean "not this cut": the call regenerates.
@@ -85,6 +92,33 @@ class HttpCutRequester:
         )
         response.raise_for_status()
         return GenerationCutReceipt.model_validate_json(response.content)
+
+    async def abort(self, backend: str, model_call_ids: list[str]) -> None:
+        """Stop these calls on ``backend`` and wait until they left (D245).
+
+        An unreachable worker runs nothing, and one that refuses is logged: a retire never
+        fails for the worker's sake.
+        """
+        if self.client is None:
+            raise RuntimeError("the cut requester is not running")
+        body = AbortCallsRequest(model_call_ids=model_call_ids)
+        try:
+            response = await self.client.post(
+                control_root(backend) + ABORT_PATH,
+                content=body.model_dump_json(),
+                headers={"content-type": "application/json"},
+                timeout=ABORT_TIMEOUT_SECONDS,
+            )
+        except httpx.TransportError as exc:
+            _log.warning("worker.abort_failed", backend=backend, error=repr(exc))
+            return
+        if response.status_code != 200:
+            _log.warning(
+                "worker.abort_refused",
+                backend=backend,
+                status=response.status_code,
+                body=response.text[:500],
+            )
 
 
 async def call_worker(

@@ -23,6 +23,7 @@ def register(serve_app: typer.Typer) -> None:
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
         workers: ServeOptions.Workers = 1,
+        checkpoint_root: ServeOptions.CheckpointRoot = None,
         restart_only: Annotated[
             bool,
             typer.Option(
@@ -33,6 +34,11 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The agent server (default port 8704): sessions driven by the environment."""
         options = serve_options_from(
-            name=name, port=port, cluster=cluster, root=root, workers=workers
+            name=name,
+            port=port,
+            cluster=cluster,
+            root=root,
+            workers=workers,
+            checkpoint_root=checkpoint_root,
         )
         run_server(create_agent_app(options, restart_only=restart_only), options)

@@ -25,6 +25,7 @@ def register(serve_app: typer.Typer) -> None:
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
         workers: ServeOptions.Workers = 1,
+        checkpoint_root: ServeOptions.CheckpointRoot = None,
         worker_url: Annotated[
             str | None,
             typer.Option(help="The inference worker's URL; default: the cluster's worker."),
@@ -35,7 +36,12 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The policy server: chat completions captured into <root>/ledger (default port 8702)."""
         options = serve_options_from(
-            name=name, port=port, cluster=cluster, root=root, workers=workers
+            name=name,
+            port=port,
+            cluster=cluster,
+            root=root,
+            workers=workers,
+            checkpoint_root=checkpoint_root,
         )
         app = create_model_app(
             options, worker_url=worker_url, admission_wait_seconds=admission_wait_s

@@ -40,6 +40,7 @@ def register(serve_app: typer.Typer) -> None:
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
         workers: ServeOptions.Workers = 1,
+        checkpoint_root: ServeOptions.CheckpointRoot = None,
         mode: Annotated[
             ModeChoice, typer.Option(help="exported (the reference deployment), stateless, …")
         ] = ModeChoice.exported,
@@ -58,7 +59,12 @@ def register(serve_app: typer.Typer) -> None:
     ) -> None:
         """The counter resources server (default port 8703)."""
         options = serve_options_from(
-            name=name, port=port, cluster=cluster, root=root, workers=workers
+            name=name,
+            port=port,
+            cluster=cluster,
+            root=root,
+            workers=workers,
+            checkpoint_root=checkpoint_root,
         )
         app = create_resources_app(
             options,

@@ -139,7 +139,7 @@ def create_agent_app(
     peers = HttpAgentPeers()
     kind = RestartOnlyAgentParticipant if restart_only else AgentParticipant
     participant = kind(ctx.name, peers)
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(ctx))
 
     @asynccontextmanager
     async def clients(_app: FastAPI) -> AsyncIterator[None]:

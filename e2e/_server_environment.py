@@ -4,16 +4,20 @@ The episode logic lives in :class:`participants.EnvironmentParticipant`; this mo
 model of ``/run`` and the HTTP clients to the agent and resources servers. A ``/run`` of a retired
 or fenced attempt gets ``409 stale_attempt``; while a checkpoint is open a new one gets
 ``409 admission_closed``; a key already running, or a restored key sent with another task, gets
-``409 checkpoint_error``. A peer's refusal ends the episode with a ``failure`` body (HTTP 200).
+``409 checkpoint_error``. A peer's refusal ends the episode with a ``failure`` body (HTTP 200),
+and so does a peer that does not answer within its timeout (:class:`PeerTimeouts`, each a
+``serve environment`` option): ``{"code": "deadline_exceeded", "detail": <which call, how long>}``.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 from http.cookiejar import CookieJar, DefaultCookiePolicy
 from typing import Any, Final
 
+import anyio
 import httpx
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
@@ -26,7 +30,7 @@ from participants import (
     error_responses,
     participant_app,
 )
-from protocols import EpisodeId, error_from_envelope
+from protocols import DeadlineExceededError, EpisodeId, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
 
@@ -34,9 +38,41 @@ ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
 SESSION_COOKIE: Final = "ng_session"
-HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
-"""Agent activations may be held through a checkpoint: read for up to 900 s."""
-PLAIN_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=60.0, write=60.0, pool=60.0)
+PEER_CONNECT_SECONDS: Final = 10.0
+TIMEOUT_SLACK_SECONDS: Final = 5.0
+"""httpx's own read timeout is set this much past ours, so ours (typed) fires first."""
+
+
+@dataclass(frozen=True)
+class PeerTimeouts:
+    """How long the environment waits for each peer call, in seconds (D246).
+
+    Attributes:
+        call_s: Seeds and closes (``serve environment --peer-timeout-s``).
+        activation_s: An agent activation, which may be held through a checkpoint
+            (``--activation-timeout-s``).
+        verify_s: A verify: reward models can take minutes (``--verify-timeout-s``).
+    """
+
+    call_s: float = 60.0
+    activation_s: float = 900.0
+    verify_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        for name in ("call_s", "activation_s", "verify_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0")
+
+
+def _httpx_timeout(seconds: float) -> httpx.Timeout:
+    return httpx.Timeout(
+        connect=PEER_CONNECT_SECONDS,
+        read=seconds + TIMEOUT_SLACK_SECONDS,
+        write=60.0,
+        pool=60.0,
+    )
+
+
 DEFAULT_EPISODE_SECONDS: Final = 3600.0
 """Each attempt's budget by default, not counting time a checkpoint holds it (D138)."""
 RUN_ERRORS: Final = error_responses(
@@ -103,16 +139,43 @@ class HttpEnvironmentPeers:
     Args:
         agent: A client whose base URL is the agent server.
         resources: A client whose base URL is the resources server.
+        timeouts: How long each kind of call may take.
     """
 
-    def __init__(self, agent: httpx.AsyncClient, resources: httpx.AsyncClient) -> None:
+    def __init__(
+        self,
+        agent: httpx.AsyncClient,
+        resources: httpx.AsyncClient,
+        timeouts: PeerTimeouts | None = None,
+    ) -> None:
         self.agent = agent
         self.resources = resources
+        self.timeouts = timeouts or PeerTimeouts()
+
+    async def _within(
+        self, seconds: float, what: str, option: str, send: Callable[[], Awaitable[httpx.Response]]
+    ) -> httpx.Response:
+        """``send()``, or a typed ``deadline_exceeded`` naming the call and its option."""
+        try:
+            with anyio.fail_after(seconds):
+                return await send()
+        except (TimeoutError, httpx.TimeoutException):
+            raise DeadlineExceededError(
+                f"{what} did not answer within {seconds:g} s (serve environment {option})"
+            ) from None
 
     async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
         """``POST /ng-rollout/<key>/seed_session``; notes the verify mode and restart flag."""
-        reply = await self.resources.post(
-            f"/ng-rollout/{key}/seed_session", json={"task_input": task_input}
+        seconds = self.timeouts.call_s
+        reply = await self._within(
+            seconds,
+            f"resources seed_session of {key}",
+            "--peer-timeout-s",
+            lambda: self.resources.post(
+                f"/ng-rollout/{key}/seed_session",
+                json={"task_input": task_input},
+                timeout=_httpx_timeout(seconds),
+            ),
         )
         body = _raise_for_refusal(reply, "resources seed_session")
         session_id = body.get("session_id")
@@ -129,27 +192,47 @@ class HttpEnvironmentPeers:
         self, key: str, resources_session_id: str, task_input: dict[str, Any]
     ) -> None:
         """``POST /ng-rollout/<key>/sessions/seed``."""
-        reply = await self.agent.post(
-            f"/ng-rollout/{key}/sessions/seed",
-            json={"resources_session_id": resources_session_id, "task_input": task_input},
+        seconds = self.timeouts.call_s
+        reply = await self._within(
+            seconds,
+            f"agent sessions/seed of {key}",
+            "--peer-timeout-s",
+            lambda: self.agent.post(
+                f"/ng-rollout/{key}/sessions/seed",
+                json={"resources_session_id": resources_session_id, "task_input": task_input},
+                timeout=_httpx_timeout(seconds),
+            ),
         )
         _raise_for_refusal(reply, "agent sessions/seed")
 
     async def activate(self, key: str, activation: int) -> dict[str, Any]:
         """``POST /ng-rollout/<key>/sessions/activate`` with the activation index header."""
-        reply = await self.agent.post(
-            f"/ng-rollout/{key}/sessions/activate",
-            headers={ACTIVATION_HEADER: str(activation)},
-            timeout=HELD_CALL_TIMEOUT,
+        seconds = self.timeouts.activation_s
+        reply = await self._within(
+            seconds,
+            f"agent activation {activation} of {key}",
+            "--activation-timeout-s",
+            lambda: self.agent.post(
+                f"/ng-rollout/{key}/sessions/activate",
+                headers={ACTIVATION_HEADER: str(activation)},
+                timeout=_httpx_timeout(seconds),
+            ),
         )
         result: dict[str, Any] = _raise_for_refusal(reply, "agent sessions/activate")
         return result
 
     async def verify(self, key: str, resources_session_id: str) -> float:
         """``POST /ng-rollout/<key>/verify`` with the session cookie; the reward."""
-        reply = await self.resources.post(
-            f"/ng-rollout/{key}/verify",
-            headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
+        seconds = self.timeouts.verify_s
+        reply = await self._within(
+            seconds,
+            f"resources verify of {key}",
+            "--verify-timeout-s",
+            lambda: self.resources.post(
+                f"/ng-rollout/{key}/verify",
+                headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
+                timeout=_httpx_timeout(seconds),
+            ),
         )
         body = _raise_for_refusal(reply, "resources verify")
         reward = body.get("reward")
@@ -159,11 +242,26 @@ class HttpEnvironmentPeers:
 
     async def close(self, key: str, resources_session_id: str | None) -> None:
         """Close the agent session, then the resources session (never refused)."""
-        reply = await self.agent.post(f"/ng-rollout/{key}/sessions/close")
+        seconds = self.timeouts.call_s
+        reply = await self._within(
+            seconds,
+            f"agent sessions/close of {key}",
+            "--peer-timeout-s",
+            lambda: self.agent.post(
+                f"/ng-rollout/{key}/sessions/close", timeout=_httpx_timeout(seconds)
+            ),
+        )
         _raise_for_refusal(reply, "agent sessions/close")
         if resources_session_id is not None:
-            reply = await self.resources.post(
-                "/close_session", headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"}
+            reply = await self._within(
+                seconds,
+                f"resources close_session of {key}",
+                "--peer-timeout-s",
+                lambda: self.resources.post(
+                    "/close_session",
+                    headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
+                    timeout=_httpx_timeout(seconds),
+                ),
             )
             _raise_for_refusal(reply, "resources close_session")
 
@@ -175,6 +273,7 @@ def create_environment_app(
     resources_transport: httpx.AsyncBaseTransport | None = None,
     episode_seconds: float | None = DEFAULT_EPISODE_SECONDS,
     clock: Clock | None = None,
+    timeouts: PeerTimeouts | None = None,
 ) -> FastAPI:
     """The environment server: control routes, ``/healthz``, ``/metrics`` and ``/run``.
 
@@ -185,26 +284,27 @@ def create_environment_app(
         episode_seconds: Each attempt's budget (time held by checkpoints not counted);
             ``None`` for none.
         clock: Where the budget reads the time (the wall clock by default).
+        timeouts: How long each peer call may take; :class:`PeerTimeouts` by default.
     """
     agent = httpx.AsyncClient(
         base_url=ctx.peer_url("agent"),
-        timeout=PLAIN_CALL_TIMEOUT,
+        timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=agent_transport,
         cookies=_no_cookie_jar(),
     )
     resources = httpx.AsyncClient(
         base_url=ctx.peer_url("resources"),
-        timeout=PLAIN_CALL_TIMEOUT,
+        timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=resources_transport,
         cookies=_no_cookie_jar(),
     )
     participant = EnvironmentParticipant(
         ctx.name,
-        HttpEnvironmentPeers(agent, resources),
+        HttpEnvironmentPeers(agent, resources, timeouts),
         episode_seconds=episode_seconds,
         clock=clock,
     )
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(ctx))
 
     @asynccontextmanager
     async def episodes(_app: FastAPI) -> AsyncIterator[None]:

@@ -399,6 +399,7 @@ def create_model_app(
         registry=telemetry.registry,
         faults=[fault] if fault in MODEL_FAULTS else [],
         cut_requester=requester,
+        call_aborter=requester.abort,
         admission_wait_seconds=(
             DEFAULT_ADMISSION_WAIT_SECONDS
             if admission_wait_seconds is None
@@ -417,7 +418,7 @@ def create_model_app(
         async with server.running(), requester.running():
             yield
 
-    plane = ControlPlane(participant, settings=control_settings(), telemetry=telemetry)
+    plane = ControlPlane(participant, settings=control_settings(ctx), telemetry=telemetry)
     app = participant_app(
         plane, token=ctx.control_token, title="midflight policy server", lifespan=lifespan
     )

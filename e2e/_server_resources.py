@@ -35,7 +35,7 @@ from participants import (
     error_responses,
     participant_app,
 )
-from protocols import EpisodeId, InvalidCheckpointStateError, InvalidRequestError
+from protocols import CheckpointError, EpisodeId, InvalidCheckpointStateError, InvalidRequestError
 
 from ._cmd_serve import ServeContext, control_settings
 
@@ -239,7 +239,7 @@ def create_resources_app(
     """
     counters = CounterSessions()
     participant = ResourcesParticipant(ctx.name, counters, mode=mode, verify=verify)
-    plane = ControlPlane(participant, settings=control_settings())
+    plane = ControlPlane(participant, settings=control_settings(ctx))
     app = participant_app(plane, token=ctx.control_token, title="midflight resources server")
     app.state.participant = participant
     app.state.plane = plane
@@ -305,7 +305,13 @@ def create_resources_app(
                 await anyio.sleep(verify_delay_ms / 1000)
             if verify_hold_dir is not None:
                 await _held_until_released(verify_hold_dir / capture_key)
-            reward = counters.counters[session_id].reward()
+            counter = counters.counters.get(session_id)
+            if counter is None:  # closed while the verify ran: its caller gave up (D246)
+                raise CheckpointError(
+                    f"session {session_id!r} of {capture_key} was closed while its verify ran; "
+                    "no reward"
+                )
+            reward = counter.reward()
             await participant.end_session(ad)
             return VerifyReply(reward=reward)
 

@@ -2,7 +2,8 @@
 
 A server binds its port itself (port 0 picks a free one) and announces ``listening on <url>``
 on its first line of stdout; we read that line under a deadline. Every server runs in a new
-session, so a SIGKILL of its group leaves no orphan behind.
+session, so a SIGKILL of its group leaves no orphan behind, and holds a lifeline to this process,
+so it dies with us however we die (D242).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Self
+
+from ._lifeline import Lifeline
 
 _LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
@@ -45,15 +48,20 @@ class ServerProcess:
             log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log: IO[bytes] | None = open(log_path, "ab") if log_path else None  # noqa: SIM115
         self.argv = list(argv)
-        self.process = subprocess.Popen(
-            list(argv),
-            stdout=subprocess.PIPE,
-            stderr=self._log if self._log is not None else subprocess.DEVNULL,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
-            cwd=cwd,
-            start_new_session=True,
-        )
+        self.lifeline = Lifeline()
+        try:
+            self.process = subprocess.Popen(
+                list(argv),
+                stdout=subprocess.PIPE,
+                stderr=self._log if self._log is not None else subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, **(env or {}), **self.lifeline.env},
+                cwd=cwd,
+                start_new_session=True,
+                pass_fds=self.lifeline.pass_fds,
+            )
+        finally:
+            self.lifeline.started()
         try:
             self.url = self._read_url(startup_timeout)
         except BaseException:
@@ -91,6 +99,7 @@ class ServerProcess:
         # Kill the group even when the leader is gone: a child of it may still hold the port.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        self.lifeline.cut()  # a worker that left the group still goes
         self.process.wait(timeout=30)
         if self.process.stdout is not None:
             self.process.stdout.close()

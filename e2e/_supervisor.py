@@ -179,6 +179,8 @@ class Supervisor:
             str(cluster_view or self.cluster_path),
             "--name",
             name,
+            # The checkpoints of this run root are the only ones its servers may touch (D240).
+            *([] if role == "worker" else ["--checkpoint-root", str(self.root)]),
             *option_flags(options),
         ]
         process = ServerProcess(

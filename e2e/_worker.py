@@ -14,6 +14,7 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any, Final
 
+import anyio
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import (
@@ -26,6 +27,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from participants import (
+    BodyLimit,
     FileTokenStagingStore,
     authorized,
     error_response,
@@ -33,11 +35,14 @@ from participants import (
     install_error_envelope,
 )
 from protocols import (
+    AbortCallsReply,
+    AbortCallsRequest,
     CompletionReply,
     CompletionRequest,
     GenerationCutInventory,
     GenerationCutReceipt,
     InternalError,
+    StaleAttemptError,
     TokenStagingStore,
     UnauthorizedError,
 )
@@ -47,6 +52,7 @@ from ._worker_engine import WorkerEngine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
 GENERATION_CUT_ROUTE: Final = "/ng-control/v1/generation-cut"
+ABORT_ROUTE: Final = "/ng-control/v1/abort"
 DEFAULT_WORKER_PORT: Final = 8701
 
 
@@ -118,6 +124,7 @@ def create_worker_app(
     )
     app.state.engine = engine
     metrics = WorkerMetrics(engine)
+    app.add_middleware(BodyLimit)  # every route, the cut route included (D241)
 
     install_error_envelope(app)
 
@@ -134,10 +141,28 @@ def create_worker_app(
         response_model=CompletionReply,
         responses=error_responses((), authenticated=False),
     )
-    async def completions(body: CompletionRequest) -> CompletionReply:
-        reply = await engine.complete(body)
-        metrics.completed(len(reply.token_ids))
-        return reply
+    async def completions(body: CompletionRequest, request: Request) -> CompletionReply:
+        # A caller that goes away (a retired or cancelled call) stops the generation (D245).
+        outcome: list[CompletionReply | Exception] = []
+        async with anyio.create_task_group() as group:
+
+            async def until_disconnected() -> None:
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+                group.cancel_scope.cancel()
+
+            group.start_soon(until_disconnected)
+            try:
+                outcome.append(await engine.complete(body))
+            except Exception as exc:  # raised below, outside the task group's exception group
+                outcome.append(exc)
+            group.cancel_scope.cancel()
+        if not outcome:
+            raise StaleAttemptError("the caller went away; the generation was stopped")
+        if isinstance(outcome[0], Exception):
+            raise outcome[0]
+        metrics.completed(len(outcome[0].token_ids))
+        return outcome[0]
 
     @app.get("/metrics", tags=["operations"], response_class=Response)
     async def metrics_route() -> Response:
@@ -155,6 +180,11 @@ def create_worker_app(
             receipt = await engine.cut(body)
             metrics.cut(len(body.active_prefixes))
             return receipt
+
+        @app.post(ABORT_ROUTE, response_model=AbortCallsReply, responses=error_responses(()))
+        async def abort(body: AbortCallsRequest) -> AbortCallsReply:
+            """Stop these calls; answers once they have left (nothing more of them is staged)."""
+            return AbortCallsReply(aborted=await engine.abort(body.model_call_ids))
 
         app.add_middleware(_BearerGuard, token=settings.control_token)
     return app

@@ -39,6 +39,7 @@ from protocols import (
     InvalidRequestError,
     StagedCallRecord,
     StagedEntry,
+    StaleAttemptError,
     TokenStagingStore,
     compute_chain_hash,
     generate_token,
@@ -85,6 +86,9 @@ class _LiveCall:
     last_sequence: int = 0
     sealed_sequence: int = 0
     cut_lock: anyio.Lock = field(default_factory=anyio.Lock)
+    # Made on the event loop once the call is admitted (_begin runs in a worker thread).
+    scope: anyio.CancelScope | None = None
+    left: anyio.Event | None = None
 
     @property
     def capture_key(self) -> str:
@@ -146,20 +150,30 @@ class WorkerEngine:
         live = await anyio.to_thread.run_sync(self._begin, admission, request)
         if admission.model_call_id in self.live:  # checked again: the thread let others run
             raise InvalidRequestError(f"model call {admission.model_call_id!r} is already running")
+        live.scope, live.left = anyio.CancelScope(), anyio.Event()
         self.live[admission.model_call_id] = live
+        coords: CommitCoords | None = None
         try:
-            await self._decode(live.request_prompt, live.continued, live.max_tokens, live)
-            response = {
-                "prompt_token_ids": live.engine_prompt,
-                "generated_token_ids": live.generated,
-                "generated_logprobs": live.log_probs,
-            }
-            coords = await anyio.to_thread.run_sync(
-                self.capture.complete_call_from_response, live.call, response
-            )
-            self._remember_finished(live, coords)
+            with live.scope:  # cancelled by an abort (a retire), or with the request
+                await self._decode(live.request_prompt, live.continued, live.max_tokens, live)
+                response = {
+                    "prompt_token_ids": live.engine_prompt,
+                    "generated_token_ids": live.generated,
+                    "generated_logprobs": live.log_probs,
+                }
+                # Never abandoned: an abort waits until the record is staged, or was never.
+                coords = await anyio.to_thread.run_sync(
+                    self.capture.complete_call_from_response, live.call, response
+                )
+                self._remember_finished(live, coords)
         finally:
             self.live.pop(admission.model_call_id, None)
+            live.left.set()
+        if coords is None:
+            raise StaleAttemptError(
+                f"model call {admission.model_call_id!r} was aborted after "
+                f"{len(live.generated)} tokens; nothing of it was staged"
+            )
         cut = admission.generation_cut
         await anyio.to_thread.run_sync(
             self.evidence.append,
@@ -192,6 +206,26 @@ class WorkerEngine:
             tokens.append(generate_token(self.seed, prompt_bytes, position))
             log_probs.append(TOKEN_LOG_PROB)
         return tokens
+
+    async def abort(self, model_call_ids: Sequence[str]) -> list[str]:
+        """Stop the named calls and wait until they have left; the ids that were running.
+
+        A call stopped while it decodes stages nothing; one already staging its final record
+        finishes that first (the thread is never abandoned), so once this returns nothing more
+        of these calls is staged.
+        """
+        running = {i: self.live[i] for i in dict.fromkeys(model_call_ids) if i in self.live}
+        for live in running.values():
+            assert live.scope is not None  # set before the call is live
+            live.scope.cancel()
+        for live in running.values():
+            assert live.left is not None
+            await live.left.wait()
+            async with live.cut_lock:  # a cut of it staging right now finishes first
+                pass
+        if running:
+            _log.info("aborted %d call(s): %s", len(running), sorted(running))
+        return list(running)
 
     def _begin(self, admission: CaptureAdmission, request: CompletionRequest) -> _LiveCall:
         """Resolve the prefix and the cut, and admit the call (blocking: store reads, hashing)."""

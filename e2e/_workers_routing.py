@@ -8,6 +8,8 @@
   idempotent and never refused.
 - ``/metrics``: the coordinator's control-plane families, plus every worker's other families
   summed sample by sample.
+- ``/healthz``: 503 until a worker runs in every slot, so "healthy" means a restore can be
+  served (D244); then the app's own answer.
 """
 
 from __future__ import annotations
@@ -84,6 +86,8 @@ class WorkerRouting:
             await self._relay_control(scope, receive, send, headers)
         elif path == "/metrics" and not routed:
             await self._metrics(scope, receive, send)
+        elif path == "/healthz" and not routed:
+            await self._health(scope, receive, send)
         elif not routed and (owner := self._owner(path)) is not None and owner != self.slot:
             await self._proxy(scope, receive, send, self.peers[owner])
         elif not routed and path in BROADCAST_PATHS:
@@ -157,6 +161,17 @@ class WorkerRouting:
                 await self.client.send(self._request(scope, body, peer))
         except (httpx.HTTPError, TimeoutError):
             pass  # closing is idempotent: a worker that misses it holds nothing of the session
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            health = await self.member.health()
+        except (MidflightError, RuntimeError) as exc:  # a broken link, or not connected yet
+            health = {"ready": False, "detail": f"the coordinator did not answer: {exc!r}"}
+        if health.get("ready"):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse({"status": "starting", **health}, status_code=503)
+        await response(scope, receive, send)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         texts: list[str] = await self.member.channel.request("metrics", None, within=30.0)

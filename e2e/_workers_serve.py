@@ -32,6 +32,8 @@ from fastapi import FastAPI
 
 from participants import (
     SOCKET_ENV,
+    SOCKET_OWNER_FILE,
+    BodyLimit,
     ControlPlane,
     ModelCoordinator,
     Placement,
@@ -42,6 +44,7 @@ from participants import (
 )
 
 from ._cmd_serve import HOST, ServeContext, bind_listening_socket, control_settings
+from ._lifeline import Lifeline
 from ._workers_routing import WorkerRouting
 
 SLOT_ENV: Final = "MIDFLIGHT_WORKER_SLOT"
@@ -77,7 +80,8 @@ def run_worker(app: FastAPI, ctx: ServeContext) -> None:
 
     app.router.lifespan_context = lifespan
     routed = WorkerRouting(app, member=member, slot=slot, peers=peers, token=ctx.control_token)
-    config = uvicorn.Config(routed, log_level="warning", access_log=False, lifespan="on")
+    # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
+    config = uvicorn.Config(BodyLimit(routed), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[shared, private])
 
 
@@ -108,16 +112,21 @@ async def _coordinate(
         if kind == "model"
         else WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
     )
-    plane = ControlPlane(coordinator, settings=control_settings())
+    plane = ControlPlane(coordinator, settings=control_settings(ctx))
     path = private_socket_path(instance)
     listener = await listen_private(path)
     peers = ",".join(str(s.getsockname()[1]) for s in privates)
     stop = anyio.Event()
     processes: dict[int, subprocess.Popen[bytes]] = {}
+    lifelines: dict[int, Lifeline] = {}
 
     def start(slot: int) -> None:
+        if slot in lifelines:
+            lifelines.pop(slot).cut()
+        lifeline = lifelines[slot] = Lifeline()  # a worker dies with its coordinator (D242)
         env = {
             **os.environ,
+            **lifeline.env,
             SOCKET_ENV: str(path),
             SLOT_ENV: str(slot),
             SHARED_FD_ENV: str(shared.fileno()),
@@ -129,8 +138,9 @@ async def _coordinate(
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
-            pass_fds=(shared.fileno(), privates[slot].fileno()),
+            pass_fds=(shared.fileno(), privates[slot].fileno(), *lifeline.pass_fds),
         )
+        lifeline.started()
         _log.info("worker.started", participant=instance, slot=slot, pid=processes[slot].pid)
 
     async def watch_workers() -> None:
@@ -163,6 +173,7 @@ async def _coordinate(
 
 def _remove_socket(path: Path) -> None:
     path.unlink(missing_ok=True)
+    (path.parent / SOCKET_OWNER_FILE).unlink(missing_ok=True)
     path.parent.rmdir()
 
 

@@ -14,6 +14,7 @@ from ._agent import AgentParticipant
 from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
 from ._agent_restart_only import RestartOnlyAgentParticipant
 from ._agent_session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput, choose_tool
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._clock import Clock, ManualClock, SystemClock
 from ._durable import fsync_directory, make_directory_durable, write_file_durably
 from ._environment import EnvironmentParticipant
@@ -54,7 +55,7 @@ from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger_memory import MemoryCaptureLedger
 from ._ledger_routes import ledger_control_router
 from ._marks import RetireMarks
-from ._model import MODEL_FAULTS, ModelParticipant
+from ._model import MODEL_FAULTS, CallAborter, ModelParticipant
 from ._model_cuts import CutRequester, generation_cut_restart_reason
 from ._model_gate import ModelTicket
 from ._model_workers import ModelCoordinator
@@ -99,9 +100,11 @@ from ._worker_channel import (
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
     SOCKET_ENV,
+    SOCKET_OWNER_FILE,
     Channel,
     listen_private,
     private_socket_path,
+    remove_stale_socket_dirs,
 )
 from ._worker_member import REPORT_POLL_SECONDS, WorkerMember
 from ._workers import Placement, WorkerCoordinator, WorkerState, slot_of
@@ -110,6 +113,7 @@ __all__ = [
     "CAPTURE_FILE_SUFFIXES",
     "CONTROL_EVENTS",
     "DEFAULT_ADMISSION_WAIT_SECONDS",
+    "DEFAULT_MAX_BODY_BYTES",
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
@@ -126,6 +130,7 @@ __all__ = [
     "RESOURCES_MODES",
     "RETIRE_STEPS",
     "SOCKET_ENV",
+    "SOCKET_OWNER_FILE",
     "TEST_HOOKS_ENV",
     "VERIFY_MODES",
     "WRITE_STEPS",
@@ -137,6 +142,8 @@ __all__ = [
     "AgentSessionState",
     "AgentTaskInput",
     "BaseParticipant",
+    "BodyLimit",
+    "CallAborter",
     "CaptureAdapter",
     "CaptureError",
     "ChangeNotifier",
@@ -205,6 +212,7 @@ __all__ = [
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",
+    "remove_stale_socket_dirs",
     "slot_of",
     "write_file_durably",
 ]

@@ -202,7 +202,9 @@ class EnvironmentParticipant(BaseParticipant):
                     # boundary (None after a failed replay step) and reports after the resume.
                     await self.steps.boundary(episode, episode.boundary)
                     code = failure.code if isinstance(failure, MidflightError) else "internal_error"
-                    outcome.append(EpisodeOutcome(failure={"code": code, "detail": str(failure)}))
+                    # Some errors (a bare timeout) say nothing: the detail then names the type.
+                    detail = str(failure) or repr(failure)
+                    outcome.append(EpisodeOutcome(failure={"code": code, "detail": detail}))
                 self.steps.finishing(episode)
                 await self._close_quietly(key, sessions[0] if sessions else None)
         finally:

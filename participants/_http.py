@@ -1,7 +1,9 @@
 """HTTP for the control plane: the authenticated router, the error envelope, the server app.
 
 Every control route checks the bearer token first — before the body is read — in constant time,
-and answers every error, validation errors included, as ``{"error": {"code", "detail"}}``.
+and answers every error, validation errors included, as ``{"error": {"code", "detail"}}``. Every
+route of a server app refuses a body over its limit with ``413 request_too_large`` before the
+body is parsed (:class:`BodyLimit`).
 """
 
 from __future__ import annotations
@@ -44,9 +46,11 @@ from protocols import (
     UnauthorizedError,
 )
 
+from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._runtime import ControlPlane
 
 _log = structlog.get_logger("midflight.http")
+
 _BEARER_SCHEME = HTTPBearer(auto_error=False, description="The control token.")
 
 ROUTE_ERROR_CODES: Final[dict[str, tuple[str, ...]]] = {
@@ -260,6 +264,7 @@ def participant_app(
     token: str | None,
     title: str | None = None,
     lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """A server app for one participant: control routes, ``/healthz``, ``/metrics``.
 
@@ -270,6 +275,7 @@ def participant_app(
         title: The OpenAPI title; ``"<kind> participant"`` by default.
         lifespan: The server's own start-up and shut-down (its data plane), run inside the
             control plane's lifetime.
+        max_body_bytes: Every route refuses a larger body with ``413 request_too_large``.
     """
     participant = plane.participant
 
@@ -283,6 +289,7 @@ def participant_app(
                     yield
 
     app = FastAPI(title=title or f"midflight {participant.kind} participant", lifespan=run)
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     install_error_envelope(app)
     if token is not None:
         app.include_router(control_router(plane, token))

@@ -52,6 +52,10 @@ MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledg
 """Fault switches the model participant knows (``midflight drill --fault``)."""
 
 
+CallAborter = Callable[[str, list[str]], Awaitable[None]]
+"""Stops model calls on a worker (its URL, the call ids); returns once they have left."""
+
+
 class ModelParticipant(BaseParticipant):
     """The policy server's participant (kind ``model``).
 
@@ -61,6 +65,10 @@ class ModelParticipant(BaseParticipant):
         admission_wait_seconds: Bound of a call waiting for a checkpoint to resume.
         faults: Drill fault switches (:data:`MODEL_FAULTS`).
         cut_requester: Asks a worker to cut its calls; ``None`` takes no generation cuts.
+        call_aborter: Stops calls on a worker (backend, model call ids) and returns once they
+            left; a retire calls it for every call it cancelled that reached a worker, so a
+            retired call stops generating and stages nothing after the retire (D245). ``None``:
+            the worker notices the dropped connection on its own.
         clock: Where the remaining prepare deadline is read (inject a ``ManualClock`` in tests).
         registry: Where the ``midflight_generation_cuts`` counter lives (the control plane's
             registry, so ``/metrics`` shows it); a registry of its own when omitted.
@@ -76,6 +84,7 @@ class ModelParticipant(BaseParticipant):
         admission_wait_seconds: float = DEFAULT_ADMISSION_WAIT_SECONDS,
         faults: Collection[str] = (),
         cut_requester: CutRequester | None = None,
+        call_aborter: CallAborter | None = None,
         clock: Clock | None = None,
         registry: CollectorRegistry | None = None,
     ) -> None:
@@ -93,6 +102,7 @@ class ModelParticipant(BaseParticipant):
         self.restored_targets: set[str] = set()
         self.restored_cuts = RestoredCuts()
         self.cut_requester = cut_requester
+        self.call_aborter = call_aborter
         self.clock: Clock = clock or SystemClock()
         self.cut_counts: dict[str, int] = {}
         self.cut_telemetry = GenerationCutTelemetry(instance, registry)
@@ -367,8 +377,15 @@ class ModelParticipant(BaseParticipant):
         await self.ledger.delete_unstarted([episode_id.capture_key])
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Cancel the covered calls, wait until they left, then retire ledgers 0..N."""
-        await self.gate.cancel_covered(episode_id)
+        """Cancel the covered calls and stop them on their workers, then retire ledgers 0..N."""
+        cancelled = await self.gate.cancel_covered(episode_id)
+        if self.call_aborter is not None:
+            by_backend: dict[str, list[str]] = {}
+            for ticket in cancelled:
+                if ticket.backend is not None and not ticket.response_started:
+                    by_backend.setdefault(ticket.backend, []).append(ticket.model_call_id)
+            for backend, call_ids in sorted(by_backend.items()):
+                await self.call_aborter(backend, call_ids)
         for key in list(self.restored_targets):
             if episode_id.covers(EpisodeId.from_capture_key(key)):
                 self.restored_targets.discard(key)

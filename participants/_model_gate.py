@@ -190,8 +190,12 @@ class ModelGate:
         """Responses waiting at egress now."""
         return sum(t.waiting_at_egress for t in self.tickets.values())
 
-    async def cancel_covered(self, retired: EpisodeId) -> None:
-        """Wake waiters (they re-check marks), cancel covered calls and wait until they left."""
+    async def cancel_covered(self, retired: EpisodeId) -> list[ModelTicket]:
+        """Wake waiters (they re-check marks), cancel covered calls and wait until they left.
+
+        Returns:
+            The calls cancelled (a retire then stops what they started on their workers).
+        """
         self._wake_waiters()
         # An untagged call belongs to no attempt: a retire never cancels it.
         covered = [
@@ -201,3 +205,4 @@ class ModelGate:
             ticket.scope.cancel()
         for ticket in covered:
             await ticket.done.wait()
+        return covered

@@ -137,9 +137,10 @@ class ModelCoordinator(WorkerCoordinator):
 
         Raises:
             CheckpointError: A worker has served, or the ledger refused the rows.
-            InvalidCheckpointStateError: A record is malformed, or a slot has no worker.
+            InvalidCheckpointStateError: A record is malformed, or a worker was lost.
+            CheckpointCoordinatorUnavailableError: A slot still has no worker at the deadline.
         """
-        self._require_every_worker("restore")
+        await self.await_every_slot("restore")
         if self.served_live_work():
             raise CheckpointError("restore needs fresh workers: a worker has served live work")
         ledgers, cuts = checked_restore(records, scope)  # nothing changes on a bad record

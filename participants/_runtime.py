@@ -17,6 +17,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -75,6 +76,10 @@ class ControlSettings:
         readiness_poll_seconds: A waiting prepare re-checks readiness at least this often.
         fence_on_restore: Whether a restore fences its scope (attempt N). Only the
             drill's ``no-restore-fence`` fault turns it off, to show that the drill notices.
+        checkpoint_root: Every ``checkpoint_dir`` of a commit or restore must lie under this
+            directory once ``..`` and symlinks are resolved (else ``invalid_request``, nothing
+            changed); ``None`` accepts any absolute directory (a library user's own choice).
+            Every reference server sets it (D240).
     """
 
     lease_grace_seconds: float = DEFAULT_LEASE_GRACE_SECONDS
@@ -82,6 +87,7 @@ class ControlSettings:
     resume_retry_seconds: float = 30.0
     readiness_poll_seconds: float = 1.0
     fence_on_restore: bool = True
+    checkpoint_root: Path | None = None
 
     def __post_init__(self) -> None:
         for name in (

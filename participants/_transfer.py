@@ -25,17 +25,16 @@ from protocols import (
     EpisodeId,
     InvalidCheckpointStateError,
     InvalidPhaseError,
-    InvalidRequestError,
     Phase,
     PhaseEvent,
     RestartInScopeError,
     RestoreReply,
     RestoreRequest,
     StaleCheckpointError,
-    participant_directory,
     sorted_capture_keys,
 )
 
+from ._checkpoint_root import participant_path
 from ._clock import wait_until
 from ._jobs import Job
 from ._participant import Record
@@ -45,20 +44,6 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from ._runtime import ControlPlane
-
-
-def checkpoint_path(checkpoint_dir: str) -> Path:
-    """The checkpoint directory of a request; it must be absolute.
-
-    Raises:
-        InvalidRequestError: The path is relative (it would depend on the server's cwd).
-    """
-    path = Path(checkpoint_dir)
-    if not path.is_absolute():
-        raise InvalidRequestError(
-            f"checkpoint_dir must be an absolute path, got {checkpoint_dir!r}"
-        )
-    return path
 
 
 def record_episode(record: Any, index: int) -> EpisodeId:
@@ -86,7 +71,7 @@ def _in_scope(wanted: frozenset[str], record: dict[str, Any]) -> bool:
 class _Commit:
     checkpoint_id: str
     args: tuple[str, tuple[str, ...] | None]
-    directory: Path
+    directory: Path  # this participant's own directory inside the checkpoint
     scope: list[EpisodeId] | None
     export_job: Job[list[Record]] | None = None
     writer: RecordsWriter | None = None
@@ -113,7 +98,7 @@ class CommitProcedure:
         """Run (or rejoin) the commit of ``request.checkpoint_id``."""
         plane = self._plane
         request = plane.bounded(request)
-        directory = checkpoint_path(request.checkpoint_dir)
+        directory, own = participant_path(plane, request.checkpoint_dir)
         scope = request.episode_ids
         scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
         args = (str(directory), scope_keys)
@@ -143,7 +128,7 @@ class CommitProcedure:
                     raise RestartInScopeError(
                         f"the scope names episodes reported as restarts: {sorted(clash)[:10]}"
                     )
-                commit = _Commit(request.checkpoint_id, args, directory, scope)
+                commit = _Commit(request.checkpoint_id, args, own, scope)
                 self._current = commit
             if commit.export_job is None or commit.export_job.failed:
                 commit.export_job = Job.start(
@@ -193,7 +178,7 @@ class CommitProcedure:
         plane = self._plane
         participant = plane.participant
         writer = RecordsWriter(
-            Path(participant_directory(commit.directory, participant.kind, participant.instance)),
+            commit.directory,
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=commit.checkpoint_id,
@@ -295,7 +280,7 @@ class RestoreProcedure:
         plane = self._plane
         participant = plane.participant
         request = plane.bounded(request)
-        directory = checkpoint_path(request.checkpoint_dir)
+        directory, own = participant_path(plane, request.checkpoint_dir)
         scope = list(request.episode_ids)
         scope_keys = sorted_capture_keys(scope)
         args = (str(directory), tuple(scope_keys))
@@ -310,7 +295,7 @@ class RestoreProcedure:
         share = await anyio.to_thread.run_sync(
             functools.partial(
                 read_participant_checkpoint,
-                Path(participant_directory(directory, participant.kind, participant.instance)),
+                own,
                 kind=participant.kind,
                 instance=participant.instance,
                 select=functools.partial(_in_scope, frozenset(scope_keys)),

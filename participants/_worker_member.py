@@ -32,6 +32,8 @@ from ._worker_channel import MESSAGE_TIMEOUT_SECONDS, REPLY_GRACE_SECONDS, Chann
 
 REPORT_POLL_SECONDS: Final = 0.5
 """How often a worker re-checks its readiness for a change to push (also woken by changes)."""
+HEALTH_TIMEOUT_SECONDS: Final = 5.0
+"""A health check never hangs on a busy coordinator for long."""
 STOPPING_TIMEOUT_SECONDS: Final = 2.0
 """A clean stop tells the coordinator first, but never waits long for its answer."""
 
@@ -267,6 +269,13 @@ class WorkerMember:
         )
 
     # ----------------------------------------------------------------- control relay
+
+    async def health(self) -> dict[str, Any]:
+        """The server's health as the coordinator sees it (every slot joined, or not)."""
+        reply: dict[str, Any] = await self.channel.request(
+            "health", None, within=HEALTH_TIMEOUT_SECONDS
+        )
+        return reply
 
     async def relay_control(self, operation: str, raw_body: bytes) -> Any:
         """Relay one control call to the coordinator; its reply body (or its typed error).

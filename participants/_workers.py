@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
@@ -24,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from protocols import (
     MAX_REPORTED_BLOCKERS,
     AdmissionClosedError,
+    CheckpointCoordinatorUnavailableError,
     CheckpointError,
     CheckpointRequest,
     CommitRequest,
@@ -154,6 +156,8 @@ class WorkerCoordinator(BaseParticipant):
             if kind == "metrics":
                 own = generate_latest(plane.telemetry.registry).decode()
                 return [own, *await self.metrics()]
+            if kind == "health":
+                return self.health()
             return await self.handle_message(worker, kind, body)
 
         try:
@@ -307,14 +311,52 @@ class WorkerCoordinator(BaseParticipant):
         """Whether the merged report has no blocker."""
         return self.readiness().ready
 
+    def missing_slots(self) -> list[int]:
+        """The slots no connected worker runs (a fresh server's workers join one by one)."""
+        slots = {w.slot for w in self.workers.values()}
+        return sorted(set(range(self.expected)) - slots)
+
+    def health(self) -> dict[str, Any]:
+        """What ``/healthz`` reports: healthy once every slot has a worker (D244)."""
+        missing = self.missing_slots()
+        return {
+            "ready": not missing,
+            "workers": len(self.workers),
+            "expected": self.expected,
+            "missing_slots": missing,
+        }
+
+    async def await_every_slot(self, what: str) -> None:
+        """Wait, until the open request's deadline, for a worker in every slot.
+
+        A restore right after a fresh start may arrive while the last workers are still joining:
+        that is a transient state, so it waits, and at the deadline it is a retryable refusal.
+
+        Raises:
+            CheckpointCoordinatorUnavailableError: A slot still has no worker at the deadline.
+            InvalidCheckpointStateError: A worker was lost while the checkpoint was open.
+        """
+        request = self.closed_request
+        deadline = request.deadline_ts if request is not None else time.time()
+        while missing := self.missing_slots():
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                raise CheckpointCoordinatorUnavailableError(
+                    f"{what}: no worker runs slot {missing} yet ({len(self.workers)} of "
+                    f"{self.expected} joined); retry once every worker has joined"
+                )
+            seen = self.changes.version
+            with anyio.move_on_after(min(remaining, 0.5)):
+                await self.changes.wait_past(seen)
+        self._require_every_worker(what)
+
     def _require_every_worker(self, what: str) -> None:
         if self.lost_while_closed:
             pids = ", ".join(str(pid) for pid in self.lost_while_closed)
             raise InvalidCheckpointStateError(
                 f"{what}: worker {pids} was lost while the checkpoint was open; its share is gone"
             )
-        slots = {w.slot for w in self.workers.values()}
-        missing = sorted(set(range(self.expected)) - slots)
+        missing = self.missing_slots()
         if missing:
             raise InvalidCheckpointStateError(f"{what}: no worker runs slot {missing}")
 
@@ -340,8 +382,11 @@ class WorkerCoordinator(BaseParticipant):
         self._manifest = manifest
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
-        """Each record on the worker of its rollout's slot; every worker sees the manifest."""
-        self._require_every_worker("restore")
+        """Each record on the worker of its rollout's slot; every worker sees the manifest.
+
+        Waits (until the restore's deadline) for workers still joining.
+        """
+        await self.await_every_slot("restore")
         if self.served_live_work():
             raise CheckpointError("restore needs fresh workers: a worker has served live work")
         by_slot: dict[int, tuple[list[Record], list[Any]]] = {

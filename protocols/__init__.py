@@ -59,6 +59,7 @@ from ._errors import (
     InvalidRequestError,
     InvalidRolloutIdError,
     MidflightError,
+    RequestTooLargeError,
     RestartInScopeError,
     RetireIncompleteError,
     RolloutIdRequiredError,
@@ -180,7 +181,13 @@ from ._tokens import (
     render_message,
     render_prompt,
 )
-from ._worker_api import MAX_COMPLETION_TOKENS, CompletionReply, CompletionRequest
+from ._worker_api import (
+    MAX_COMPLETION_TOKENS,
+    AbortCallsReply,
+    AbortCallsRequest,
+    CompletionReply,
+    CompletionRequest,
+)
 
 __all__ = [
     "ALLOWED_PHASES",
@@ -226,6 +233,8 @@ __all__ = [
     "SAFE_NAME_PATTERN",
     "STAGING_DIGEST_VERSION",
     "STAGING_SCHEMA_VERSION",
+    "AbortCallsReply",
+    "AbortCallsRequest",
     "ActivationOutOfOrderError",
     "AdmissionClosedError",
     "CallRecord",
@@ -280,6 +289,7 @@ __all__ = [
     "RenewReply",
     "RequestItem",
     "RequestItems",
+    "RequestTooLargeError",
     "RestartInScopeError",
     "RestoreReply",
     "RestoreRequest",

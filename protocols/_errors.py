@@ -25,6 +25,7 @@ Exception tree::
      ├── CheckpointOpenError                 409 checkpoint_open          (retryable)
      ├── CheckpointError                     409 checkpoint_error
      ├── RolloutRetiredError                 410 rollout_retired
+     ├── RequestTooLargeError                413 request_too_large
      ├── CheckpointCoordinatorUnavailableError 503 checkpoint_coordinator_unavailable (retryable)
      └── InternalError                       500 internal_error           (retryable)
 """
@@ -120,6 +121,12 @@ ERROR_TABLE: Final[tuple[ErrorSpec, ...]] = (
         "any other refusal of a control operation (different task, restore into a live process)",
     ),
     ErrorSpec("rollout_retired", 410, False, "the ledger manifest of a retired rollout"),
+    ErrorSpec(
+        "request_too_large",
+        413,
+        False,
+        "a request body over the server's limit, refused before it is parsed; nothing changed",
+    ),
     ErrorSpec("checkpoint_coordinator_unavailable", 503, True, "a server's worker link is down"),
     ErrorSpec("internal_error", 500, True, "a bug; never the answer to bad input"),
 )
@@ -267,6 +274,12 @@ class RolloutRetiredError(MidflightError):
     """The ledger of a retired rollout was asked for."""
 
     spec = _spec("rollout_retired")
+
+
+class RequestTooLargeError(MidflightError):
+    """A request body is over the server's limit; it was refused before being parsed."""
+
+    spec = _spec("request_too_large")
 
 
 class CheckpointCoordinatorUnavailableError(MidflightError):

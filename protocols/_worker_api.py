@@ -1,8 +1,9 @@
-"""The deterministic inference worker's completion route, on the wire.
+"""The deterministic inference worker's completion and abort routes, on the wire.
 
 ``POST /v1/completions`` takes the prompt as token ids, the output limit, the capture admission
 (``ng_capture``) and optionally a generation cut to continue (``ng_generation_cut``), and answers
-the whole completion with the worker's commit coordinates.
+the whole completion with the worker's commit coordinates. ``POST /ng-control/v1/abort`` (control
+token) stops the named calls and answers once they have left: nothing of theirs is staged after.
 """
 
 from __future__ import annotations
@@ -44,3 +45,20 @@ class CompletionReply(StrictWireModel):
     token_ids: list[int]
     finish_reason: Literal["stop", "length"]
     ng_commit_coords: CommitCoords | None = None
+
+
+MAX_ABORTED_CALLS: Final = 10_000
+
+
+class AbortCallsRequest(StrictWireModel):
+    """Body of ``POST /ng-control/v1/abort``: the model calls to stop (a retire's, say)."""
+
+    model_call_ids: list[Annotated[str, Field(min_length=1, max_length=200)]] = Field(
+        max_length=MAX_ABORTED_CALLS
+    )
+
+
+class AbortCallsReply(StrictWireModel):
+    """Reply of ``POST /ng-control/v1/abort``: the calls that were running and have now left."""
+
+    aborted: list[str]

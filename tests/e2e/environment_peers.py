@@ -22,6 +22,7 @@ class PeerLog:
     requests: list[dict[str, Any]] = field(default_factory=list)
     refuse_activation: tuple[int, str] | None = None
     hold_activation: int | None = None
+    verify_seconds: float = 0.0
     held: anyio.Event = field(default_factory=anyio.Event)
     release: anyio.Event = field(default_factory=anyio.Event)
 
@@ -74,6 +75,7 @@ def fake_peers_app(log: PeerLog) -> FastAPI:
     @app.post("/ng-rollout/{key}/verify")
     async def verify(key: str, request: Request) -> dict[str, Any]:
         await note("verify", key, request)
+        await anyio.sleep(log.verify_seconds)  # a slow reward model
         return {"reward": 0.37}
 
     @app.post("/ng-rollout/{key}/sessions/close")

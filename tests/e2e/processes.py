@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from e2e._lifeline import Lifeline
+
 _LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
 
@@ -23,20 +25,24 @@ def serve(
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """Run ``python -m e2e serve <role> --port 0 <args>``; yield its URL and the process."""
     command = [sys.executable, "-m", "e2e", "serve", role, "--port", "0", *args]
+    lifeline = Lifeline()  # a test killed by its timeout takes its servers with it
     with open(log, "ab") as stderr:
         process = subprocess.Popen(
             command,
             stdout=subprocess.PIPE,
             stderr=stderr,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), **lifeline.env},
             start_new_session=True,
+            pass_fds=lifeline.pass_fds,
         )
+    lifeline.started()
     try:
         assert process.stdout is not None
         yield _read_url(process), process
     finally:
         kill_group(process)
+        lifeline.cut()
 
 
 def _read_url(process: subprocess.Popen[bytes]) -> str:

@@ -14,7 +14,7 @@ import pytest
 
 from e2e._cluster import default_cluster
 from e2e._cmd_serve import ServeContext
-from e2e._server_environment import create_environment_app
+from e2e._server_environment import PeerTimeouts, create_environment_app
 from participants import ManualClock
 from protocols import CONTROL_PREFIX
 
@@ -164,3 +164,36 @@ async def test_run_gives_up_on_an_episode_past_its_budget(tmp_path: Path) -> Non
     assert reply.json()["failure"]["code"] == "deadline_exceeded"
     assert log.seen("verify") == []
     assert [r["route"] for r in log.requests[-2:]] == ["sessions/close", "close_session"]
+
+
+async def test_a_verify_past_its_timeout_fails_the_episode_with_a_typed_detail(
+    tmp_path: Path,
+) -> None:
+    log = PeerLog(verify_seconds=30.0)
+    timeouts = PeerTimeouts(verify_s=0.2)
+    async with environment_server(tmp_path, log, timeouts=timeouts) as client:
+        with anyio.fail_after(20):
+            reply = await client.post("/run", json=run_body("r1"))
+    assert reply.status_code == 200
+    failure = reply.json()["failure"]
+    assert failure["code"] == "deadline_exceeded"
+    assert "resources verify of r1 did not answer within 0.2 s" in failure["detail"]
+    assert "--verify-timeout-s" in failure["detail"]
+    assert [r["route"] for r in log.requests[-2:]] == ["sessions/close", "close_session"]
+
+
+async def test_a_verify_within_a_longer_timeout_succeeds(tmp_path: Path) -> None:
+    log = PeerLog(verify_seconds=0.3)
+    async with environment_server(tmp_path, log, timeouts=PeerTimeouts(verify_s=5.0)) as client:
+        reply = await client.post("/run", json=run_body("r1"))
+    assert reply.json()["result"]["reward"] == 0.37
+
+
+def test_serve_environment_takes_its_peer_timeouts_as_options() -> None:
+    from typer.testing import CliRunner
+
+    from e2e._cli import build_app
+
+    text = CliRunner().invoke(build_app(), ["serve", "environment", "--help"]).output
+    for option in ("--peer-timeout-s", "--activation-timeout-s", "--verify-timeout-s"):
+        assert option in text

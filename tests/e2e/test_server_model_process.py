@@ -71,7 +71,7 @@ async def test_a_three_call_chain_then_sigkill_with_a_held_call_and_a_fresh_proc
 ) -> None:
     root = tmp_path / "run"
     env = {"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
-    checkpoint = str(tmp_path / "ckpt")
+    checkpoint = str(root / "checkpoints" / "ckpt")  # under the run root (D240)
     scope = [{"rollout_id": "r1", "attempt": 0}]
     worker_args = ("--root", str(root), "--token-delay-ms", "30")
     with serve("worker", *worker_args, log=tmp_path / "worker.log", env=env) as (w, _):

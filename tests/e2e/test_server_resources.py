@@ -366,3 +366,57 @@ async def test_a_slow_replay_verify_does_not_hold_prepare_and_its_session_is_exp
     assert order == ["prepared", "verified"]
     # The session is in the checkpoint, so a restore can run the verify again from it.
     assert [r["state"] for r in records] == [{"value": 5, "notes": []}]
+
+
+async def test_a_commit_outside_the_run_root_is_refused_with_a_typed_422(tmp_path: Path) -> None:
+    root, outside = tmp_path / "run", tmp_path / "elsewhere"
+    root.mkdir()
+    outside.mkdir()
+    async with resources(root) as (client, _app):
+        await seed(client, "r1")
+        prepared = await control(client, "prepare", checkpoint_id="c1")
+        assert prepared.json()["phase"] == "prepared", prepared.text
+        for directory in (outside, root / ".." / "elsewhere"):
+            refused = await control(
+                client, "commit", checkpoint_id="c1", checkpoint_dir=str(directory / "c1")
+            )
+            assert code(refused) == (422, "invalid_request")
+            assert "outside the checkpoint root" in refused.json()["error"]["detail"]
+        assert list(outside.iterdir()) == []
+        inside = root / "checkpoints" / "c1"
+        committed = await control(
+            client, "commit", checkpoint_id="c1", checkpoint_dir=str(inside), episode_ids=None
+        )
+        assert committed.status_code == 200, committed.text
+
+
+def test_serve_takes_a_checkpoint_root_and_defaults_to_the_run_root(tmp_path: Path) -> None:
+    from e2e._cmd_serve import control_settings, serve_options_from
+
+    plain = serve_options_from(name="r", port=0, cluster=None, root=tmp_path / "run")
+    assert control_settings(plain).checkpoint_root == (tmp_path / "run").resolve()
+    chosen = serve_options_from(
+        name="r", port=0, cluster=None, root=tmp_path / "run", checkpoint_root=tmp_path / "ck"
+    )
+    assert control_settings(chosen).checkpoint_root == (tmp_path / "ck").resolve()
+
+
+async def test_a_verify_that_outlives_its_session_is_refused_typed_not_a_500(
+    tmp_path: Path,
+) -> None:
+    async with resources(tmp_path, verify_delay_ms=300.0) as (client, _app):
+        sid = await seed(client, "r1")
+        replies: list[httpx.Response] = []
+
+        async def slow_verify() -> None:
+            replies.append(await client.post("/ng-rollout/r1/verify", headers=cookie(sid)))
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(slow_verify)
+            await anyio.sleep(0.05)
+            # The caller gave up (its read timed out) and closed the session meanwhile.
+            closed = await client.post("/close_session", headers=cookie(sid))
+            assert closed.status_code == 200
+        (late,) = replies
+        assert code(late) == (409, "checkpoint_error")
+        assert "closed while its verify ran" in late.json()["error"]["detail"]

@@ -34,7 +34,7 @@ def _control(client: httpx.Client, route: str, **body: Any) -> httpx.Response:
 
 
 def test_a_session_survives_sigkill_and_continues_as_the_next_attempt(tmp_path: Path) -> None:
-    checkpoint = tmp_path / "ckpt"
+    checkpoint = tmp_path / "run" / "checkpoints" / "ckpt"  # under the run root (D240)
     scope = [{"rollout_id": "r1"}]
     with _serve(tmp_path, "first.log") as server, httpx.Client(base_url=server.url) as client:
         seeded = client.post("/ng-rollout/r1/seed_session", json=TASK)

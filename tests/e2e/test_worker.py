@@ -404,3 +404,16 @@ async def test_metrics_count_completions_and_the_version_is_every_server_s(tmp_p
         assert "/metrics" in document["paths"]
     participant = participant_app(ControlPlane(Logged("model", "policy", [])), token=None)
     assert document["info"]["version"] == participant.openapi()["info"]["version"]
+
+
+async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Path) -> None:
+    from participants import DEFAULT_MAX_BODY_BYTES
+
+    async with worker(tmp_path) as (client, engine):
+        huge = b'{"prompt_token_ids": [' + b"1," * (DEFAULT_MAX_BODY_BYTES // 2) + b"1]}"
+        reply = await client.post(
+            "/v1/completions", content=huge, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 413
+        assert reply.json()["error"]["code"] == "request_too_large"
+        assert engine.live == {}

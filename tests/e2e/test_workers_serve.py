@@ -70,6 +70,12 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
+def _socket_dir(worker_pid: int) -> Path:
+    environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
+    named = [v for v in environ if v.startswith(b"MIDFLIGHT_WORKER_SOCKET=")]
+    return Path(named[0].split(b"=", 1)[1].decode()).parent
+
+
 def _rollouts_on_both_slots() -> list[str]:
     by_slot: dict[int, list[str]] = {0: [], 1: []}
     for n in range(64):
@@ -126,9 +132,14 @@ def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_who
         assert blockers() == []
     port = int(process.url.rsplit(":", 1)[1])
     workers = [event["pid"] for event in _events(log, "worker.joined")]
+    socket_dir = _socket_dir(workers[-1])
     process.kill()
     for pid in workers:  # SIGKILL of the group left no worker behind
         _wait(lambda pid=pid: not _running(pid), f"worker {pid} to die")
+    assert socket_dir.exists()  # nobody removes it under SIGKILL ...
+    with ServerProcess(process.argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=log):
+        # ... so the next start of the same server does (D243)
+        _wait(lambda: not socket_dir.exists(), "the dead server's socket directory to go")
     with socket.socket() as probe:
         # As a new server binds it (uvicorn sets SO_REUSEADDR): connections the kill left in
         # TIME_WAIT do not count, a process still listening does.
@@ -167,3 +178,43 @@ def test_the_drill_with_two_workers_per_server_is_green(tmp_path: Path) -> None:
     assert len(joined) == 2  # the restarted resources server really ran two workers
     policy = _events(tmp_path / "run" / "logs" / "policy-0.log", "worker.joined")
     assert len(policy) == 2  # and so did the policy server (D216)
+
+
+def test_a_fresh_server_is_healthy_only_with_every_worker_and_restores_at_once(
+    server: tuple[ServerProcess, Path], tmp_path: Path
+) -> None:
+    process, _log = server
+    checkpoint_dir = str(tmp_path / "run" / "checkpoints" / "ck-1")
+    scope = [{"rollout_id": rollout} for rollout in _rollouts_on_both_slots()]
+    with httpx.Client(base_url=process.url, timeout=60) as client:
+        for rollout in _rollouts_on_both_slots():
+            seeded = client.post(f"/ng-rollout/{rollout}/seed_session", json={"task_input": {}})
+            assert seeded.status_code == 200, seeded.text
+        body = {"checkpoint_id": "ck-1", "deadline_ts": time.time() + 30}
+        prepared = client.post("/ng-control/v1/checkpoint/prepare", json=body, headers=AUTH)
+        assert prepared.json()["phase"] == "prepared", prepared.text
+        commit = {**body, "checkpoint_dir": checkpoint_dir, "episode_ids": scope}
+        committed = client.post("/ng-control/v1/checkpoint/commit", json=commit, headers=AUTH)
+        assert committed.status_code == 200, committed.text
+    process.kill()
+    fresh_log = tmp_path / "fresh.log"
+    with (
+        ServerProcess(
+            process.argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=fresh_log
+        ) as fresh,
+        httpx.Client(base_url=fresh.url, timeout=60) as client,
+    ):
+        health = _wait(lambda: (r := client.get("/healthz")).status_code == 200 and r, "health")
+        assert health.json()["status"] == "ok"
+        # Healthy means every worker joined: a restore sent now is served, not refused (D244).
+        status = client.get("/ng-control/v1/checkpoint/status", headers=AUTH).json()
+        assert status["report"]["counts"]["workers"] == 2
+        restore = {
+            "checkpoint_id": "r-1",
+            "deadline_ts": time.time() + 30,
+            "checkpoint_dir": checkpoint_dir,
+            "episode_ids": scope,
+        }
+        restored = client.post("/ng-control/v1/checkpoint/restore", json=restore, headers=AUTH)
+        assert restored.status_code == 200, restored.text
+        assert len(restored.json()["restored"]) == len(scope)

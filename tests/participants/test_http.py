@@ -264,3 +264,65 @@ def test_the_openapi_document_is_snapshotted() -> None:
         assert {"200", "401", "500"} <= set(responses)
         if route != "status":
             assert "409" in responses and "422" in responses
+
+
+@pytest.fixture
+async def small_limit() -> AsyncIterator[tuple[httpx.AsyncClient, FakeParticipant]]:
+    fake = FakeParticipant()
+    plane = ControlPlane(fake, clock=ManualClock(NOW))
+    app = participant_app(plane, token=TOKEN, max_body_bytes=1024)
+    transport = httpx.ASGITransport(app=app)
+    async with plane.running(), httpx.AsyncClient(transport=transport, base_url="http://p") as http:
+        yield http, fake
+
+
+def _too_large(body: int = 4096) -> dict[str, Any]:
+    return {**VALID_BODY["prepare"], "checkpoint_id": "c" + "x" * body}
+
+
+@pytest.mark.parametrize("route", ["prepare", "commit", "restore", "retire", "forget"])
+async def test_a_body_over_the_limit_is_refused_with_413_before_it_is_parsed(
+    small_limit: tuple[httpx.AsyncClient, FakeParticipant], route: str
+) -> None:
+    http, fake = small_limit
+    reply = await http.post(
+        f"{CONTROL_PREFIX}/{route}",
+        content=json.dumps(_too_large()).encode(),
+        headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+    )
+    assert _error(reply) == (413, "request_too_large")
+    assert "1024 bytes" in reply.json()["error"]["detail"]
+    assert fake.admission_open  # nothing changed
+
+
+async def test_a_streamed_body_without_a_length_is_counted(
+    small_limit: tuple[httpx.AsyncClient, FakeParticipant],
+) -> None:
+    http, fake = small_limit
+    chunk = json.dumps(_too_large()).encode()
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for start in range(0, len(chunk), 100):
+            yield chunk[start : start + 100]
+
+    reply = await http.post(
+        f"{CONTROL_PREFIX}/prepare",
+        content=chunks(),
+        headers={"Authorization": f"Bearer {TOKEN}", "content-type": "application/json"},
+    )
+    assert "content-length" not in reply.request.headers
+    assert _error(reply) == (413, "request_too_large")
+    assert "streamed" in reply.json()["error"]["detail"]
+    assert fake.admission_open
+
+
+async def test_a_body_under_the_limit_is_served(
+    small_limit: tuple[httpx.AsyncClient, FakeParticipant],
+) -> None:
+    http, _fake = small_limit
+    reply = await http.post(
+        f"{CONTROL_PREFIX}/prepare",
+        json=VALID_BODY["prepare"],
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    )
+    assert reply.status_code == 200, reply.text

@@ -8,7 +8,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from participants import MemoryCaptureLedger, ModelParticipant
+from participants import MemoryCaptureLedger, ModelParticipant, ModelTicket
 from protocols import (
     CheckpointError,
     CheckpointRequest,
@@ -160,3 +160,26 @@ async def test_retire_cancels_a_covered_call_and_retires_the_ledgers_through_its
         with pytest.raises(RolloutRetiredError):
             await ledger.manifest(key)
     assert model.gate.tickets == {}
+
+
+async def test_retire_aborts_its_cancelled_calls_on_their_worker_before_it_returns() -> None:
+    aborted: list[tuple[str, list[str]]] = []
+
+    async def aborter(backend: str, call_ids: list[str]) -> None:
+        aborted.append((backend, call_ids))
+
+    model = ModelParticipant(MemoryCaptureLedger(), call_aborter=aborter)
+    sent, waiting = await model.admit(R1), await model.admit(EpisodeId(rollout_id="r1"))
+    sent.backend = "http://worker/v1"  # this one reached its worker; the other did not
+
+    async def generating(ticket: ModelTicket) -> None:
+        with ticket.scope:
+            await anyio.sleep_forever()
+        model.gate.release(ticket)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(generating, sent)
+        group.start_soon(generating, waiting)
+        await anyio.lowlevel.checkpoint()
+        await model.retire(R1)
+        assert aborted == [("http://worker/v1", [sent.model_call_id])]

@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from participants import ControlPlane, Placement, WorkerCoordinator, WorkerMember, listen_private
 from protocols import (
+    CheckpointCoordinatorUnavailableError,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
@@ -302,3 +303,58 @@ async def test_reports_of_an_older_generation_or_sequence_are_ignored(tmp_path: 
         assert made.coordinator.readiness().ready
         made.coordinator._take_report(state, {**stale, "generation": made.coordinator.generation})
         assert made.coordinator.readiness().blockers == ["r9"]
+
+
+def restore_request(seconds: float) -> RestoreRequest:
+    return RestoreRequest(
+        checkpoint_id="r1",
+        deadline_ts=time.time() + seconds,
+        checkpoint_dir="/unused",
+        episode_ids=[],
+    )
+
+
+async def test_health_is_ready_only_once_every_slot_has_a_worker(tmp_path: Path) -> None:
+    async with server(tmp_path) as made:
+        await made.join(101, 0)
+        assert made.coordinator.health() == {
+            "ready": False,
+            "workers": 1,
+            "expected": 2,
+            "missing_slots": [1],
+        }
+        await made.join(102, 1)
+        assert made.coordinator.health()["ready"] is True
+
+
+async def test_a_restore_waits_for_workers_still_joining(tmp_path: Path) -> None:
+    async with server(tmp_path) as made:
+        a = await made.join(101, 1)
+        episode = EpisodeId(rollout_id="r1")
+        records = [{"episode_id": episode.model_dump(), "step": 1}]
+        await made.coordinator.close_admission(restore_request(10))
+        installed = anyio.Event()
+
+        async def install() -> None:
+            await made.coordinator.install(records, [episode])
+            installed.set()
+
+        made.plane.task_group.start_soon(install)  # outlives the join below (LIFO scopes)
+        await anyio.sleep(0.3)
+        assert not installed.is_set()  # slot 0 has no worker yet: waiting, not refused
+        b = await made.join(102, 0)
+        with anyio.fail_after(5):
+            await installed.wait()
+        key = episode.next_attempt().capture_key
+        assert key in a.fake.restored or key in b.fake.restored
+
+
+async def test_a_restore_still_missing_a_worker_at_its_deadline_is_retryable(
+    tmp_path: Path,
+) -> None:
+    async with server(tmp_path) as made:
+        await made.join(101, 1)
+        await made.coordinator.close_admission(restore_request(0.5))
+        with pytest.raises(CheckpointCoordinatorUnavailableError, match=r"slot \[0\]") as caught:
+            await made.coordinator.install([], [])
+        assert caught.value.retryable

@@ -33,6 +33,7 @@ CONTRACT = [
     ("checkpoint_open", 409, True),
     ("checkpoint_error", 409, False),
     ("rollout_retired", 410, False),
+    ("request_too_large", 413, False),  # ours, not the contract's: bodies are bounded (D241)
     ("checkpoint_coordinator_unavailable", 503, True),
     ("internal_error", 500, True),
 ]

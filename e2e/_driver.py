@@ -235,9 +235,10 @@ class Driver:
         ``block`` forces the rarer outcome: the controller treats the prepare as blocked by the
         attempt of its scope that ``block`` (in [0, 1)) picks, and does what it does for a real
         straggler (control-plane §3.4.1: resume, retire it, dispatch its next attempt).
-        ``need_cut``: a commit that carries no generation cut is abandoned before publication
-        (resumed, its directory removed), so that the checkpoint a crash restores has a cut to
-        continue and the published count stays what the plan asked for (D155, D232).
+        ``need_cut``: a commit that exported episodes but carries no generation cut is abandoned
+        before publication (resumed, its directory removed), so that the checkpoint a crash
+        restores has a cut to continue and the published count stays what the plan asked for
+        (D155, D232, D247).
         """
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
         directory = self.control.checkpoint_dir(self.root, checkpoint_id)
@@ -275,7 +276,8 @@ class Driver:
         episodes = prepared.continued(in_scope)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
-        if need_cut and not self.last_cuts:
+        # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
+        if need_cut and not self.last_cuts and commit.environment_episode_ids():
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
             await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
             await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
@@ -442,8 +444,11 @@ class Driver:
                 # The checkpoint a crash restores should carry a generation cut, or the run
                 # cannot show one continued; on a busy machine the calls may all finish before
                 # admission closes, so that commit is abandoned and taken again (bounded).
+                # Never before something is published: if the rollouts then all finished while
+                # commits were being abandoned, the crash would have nothing to restore (D247).
                 last = taken == self.plan.checkpoints - 1 and self.plan.crash_after
-                need_cut = last and self.abandoned < CUT_RETRIES
+                published = (self.root / "checkpoints" / "LATEST").exists()
+                need_cut = last and published and self.abandoned < CUT_RETRIES
                 if await self.checkpoint(index, need_cut=need_cut):
                     taken += 1
                 index += 1

@@ -205,3 +205,22 @@ async def test_a_commit_without_a_cut_is_abandoned_unpublished_when_the_crash_ne
         assert [e["id"] for e in events if e["event"] == "checkpoint_abandoned"] == ["ckpt-0-0"]
     finally:
         await driver.http.aclose()
+
+
+async def test_a_commit_that_exported_nothing_is_published_even_without_a_cut(
+    tmp_path: Path,
+) -> None:
+    # Every rollout a restart (restart-only resources): nothing can carry a cut, so waiting for one
+    # would abandon every commit and leave the crash with nothing to restore (D247).
+    plan = DriverPlan(
+        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    control = _CutControl(tmp_path, cuts=[[]])
+    driver.control = control  # type: ignore[assignment]
+    try:
+        driver.in_flight = {}
+        assert await driver.checkpoint(0, need_cut=True)
+        assert control.published == ["ckpt-0-0"] and driver.abandoned == 0
+    finally:
+        await driver.http.aclose()

@@ -190,13 +190,18 @@ class AgentSession:
         return 2 + 2 * self.task_input.turns * self.completed_activation
 
     def record_boundary(self, kind: BoundaryKind) -> None:
-        """Remember the loop state as of now; an export reads it, whenever it runs."""
+        """Remember the loop state as of now; an export reads it, whenever it runs.
+
+        A reply the session still holds (restored with it, not yet used) belongs to the
+        boundary: dropping it here made the next checkpoint forget a delivered call (D248).
+        """
         self.snapshot = Snapshot(
             kind,
             len(self.conversation),
             self.completed_activation,
             self.turn_in_activation,
             self.stored_reply,
+            held_reply=self.held_reply,
         )
 
     def export_state(self) -> dict[str, Any]:
@@ -221,3 +226,4 @@ class AgentSession:
         self.completed_activation = snap.completed_activation
         self.turn_in_activation = snap.turn_in_activation
         self.stored_reply = snap.stored_reply
+        self.held_reply = snap.held_reply  # a held reply taken but not used is held again

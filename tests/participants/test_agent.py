@@ -289,3 +289,48 @@ async def test_export_and_install_go_through_one_batched_hook_call_each() -> Non
     assert hooks.restores[-1] == ["r1-a1", "r2-a1"] and sorted(fresh.sessions) == ["r1-a1", "r2-a1"]
     await fresh.retire(EpisodeId(rollout_id="r1", attempt=1))
     assert hooks.retired == ["r1-a1"] and sorted(fresh.sessions) == ["r2-a1"]
+
+
+def _held_record() -> dict[str, Any]:
+    """A session restored one turn into its activation, holding the reply of its second call."""
+    conversation = [
+        {"role": "system", "content": "counter"},
+        {"role": "user", "content": "r1 0"},
+        {"role": "assistant", "content": "first"},
+        {"role": "tool", "content": "add 1 -> 1 0"},
+    ]
+    return _record(conversation=conversation, turn_in_activation=1, held_reply="held")
+
+
+async def test_a_restored_held_reply_survives_a_checkpoint_before_the_session_continues() -> None:
+    # Hunt seed 161: the session restored with a held reply was checkpointed again before its
+    # replacement ran; the export dropped the reply, and after the next crash the restored
+    # session asked the model for that (delivered) call a second time.
+    agent = AgentParticipant("agent", ScriptedPeers())
+    await agent.install([_held_record()], [E0])
+    (record,) = await agent.export(None)
+    assert record["session"]["held_reply"] == "held"
+
+
+async def test_a_held_reply_in_use_when_a_checkpoint_closes_is_exported_with_its_boundary() -> None:
+    peers = ScriptedPeers()
+    agent = AgentParticipant("agent", peers)
+    await agent.install([_held_record()], [E0])
+    replacement = EpisodeId(rollout_id="r1", attempt=1)
+    await agent.close_admission(CheckpointRequest(checkpoint_id="c", deadline_ts=1e12))
+    replies: list[dict[str, Any]] = []
+    async with anyio.create_task_group() as group:
+
+        async def run() -> None:
+            replies.append(await agent.activate(replacement, 1))
+
+        group.start_soon(run)
+        await anyio.wait_all_tasks_blocked()
+        session = agent.sessions["r1-a1"]
+        assert session.parked  # at the boundary before the call the held reply answers
+        (record,) = await agent.export(None)
+        assert record["session"]["held_reply"] == "held"
+        assert record["boundary"] == {"at": "before_model_call", "activation": 1, "turn": 1}
+        await agent.open_admission()
+    assert peers.model_calls == 0  # the held reply answered the turn: no call asked again
+    assert replies[0]["messages"][2]["content"] == "held"

@@ -31,6 +31,7 @@ from protocols import EpisodeId
 from ._cluster import Cluster, read_cluster
 from ._control import ControlSession
 from ._evidence import EvidenceLog, read_evidence
+from ._probes import ResourcesProbe, probe_requests
 
 DEADLINE_SECONDS = 30.0
 CUT_RETRIES = 6
@@ -371,47 +372,37 @@ class Driver:
     async def probe_stale(self, fenced: list[EpisodeId]) -> None:
         """Send late requests of fenced attempts to every participant kind; log each answer."""
         for episode in fenced:
-            key = episode.capture_key
-            probes = {
-                "environment": (
-                    self.cluster.url_of("environment") + "/run",
-                    {
-                        "episode_id": episode.model_dump(),
-                        "task": _task(episode.rollout_id, self.plan.task_input),
-                    },
-                    {},
-                ),
-                "agent": (
-                    self.cluster.url_of("agent") + f"/ng-rollout/{key}/sessions/activate",
-                    {},
-                    {"x-ng-agent-activation": "1"},
-                ),
-                "resources": (
-                    self.cluster.url_of("resources") + f"/ng-rollout/{key}/tools/add",
-                    {"arg": 1},
-                    {},
-                ),
-                "model": (
-                    self.cluster.url_of("model") + f"/ng-rollout/{key}/v1/chat/completions",
-                    {"messages": [{"role": "user", "content": "late"}], "max_tokens": 1},
-                    {},
-                ),
+            await self.send_probes(episode, "tool", within=60.0)
+
+    async def send_probes(
+        self,
+        episode: EpisodeId,
+        resources: ResourcesProbe,
+        *,
+        within: float,
+        after: str | None = None,
+    ) -> dict[str, tuple[int, str | None]]:
+        """Probe every kind with a late request of ``episode``; log and return (status, code)."""
+        task = _task(episode.rollout_id, self.plan.task_input)
+        answers: dict[str, tuple[int, str | None]] = {}
+        for kind, (url, body, headers) in probe_requests(
+            self.cluster, episode, task, resources
+        ).items():
+            with anyio.fail_after(within):
+                reply = await self.http.post(url, json=body, headers=headers)
+            code = _error_code(reply)
+            event = {
+                "event": "stale_probe",
+                "crash": self.plan.phase,
+                "kind": kind,
+                "key": episode.capture_key,
+                "status": reply.status_code,
+                "code": code,
+                "accepted": reply.status_code < 400,
             }
-            for kind, (url, body, headers) in probes.items():
-                with anyio.fail_after(60):
-                    reply = await self.http.post(url, json=body, headers=headers)
-                code = _error_code(reply)
-                await self.log(
-                    {
-                        "event": "stale_probe",
-                        "crash": self.plan.phase,
-                        "kind": kind,
-                        "key": key,
-                        "status": reply.status_code,
-                        "code": code,
-                        "accepted": reply.status_code < 400,
-                    }
-                )
+            await self.log(event if after is None else {**event, "after": after})
+            answers[kind] = (reply.status_code, code)
+        return answers
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> None:

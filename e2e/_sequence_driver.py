@@ -32,7 +32,7 @@ from protocols import EpisodeId
 
 from ._cluster import Cluster, read_cluster
 from ._control import CommitOutcome, ControlSession
-from ._driver import DEADLINE_SECONDS, Driver, DriverPlan, _error_code, _task
+from ._driver import DEADLINE_SECONDS, Driver, DriverPlan
 
 OPERATIONS = ("start", "finish", "checkpoint", "crash", "retire")
 """Every operation a sequence may hold."""
@@ -168,51 +168,11 @@ class SequenceDriver(Driver):
 
     async def probe_refused(self, episode: EpisodeId) -> None:
         """Send the attempt a request of every kind; each must answer ``stale_attempt``."""
-        key = episode.capture_key
-        task = _task(episode.rollout_id, self.plan.task_input)
-        probes = {
-            "environment": (
-                self.cluster.url_of("environment") + "/run",
-                {"episode_id": episode.model_dump(), "task": task},
-                {},
-            ),
-            "agent": (
-                self.cluster.url_of("agent") + f"/ng-rollout/{key}/sessions/activate",
-                {},
-                {"x-ng-agent-activation": "1"},
-            ),
-            # seed_session needs no session cookie, so only the mark can refuse it.
-            "resources": (
-                self.cluster.url_of("resources") + f"/ng-rollout/{key}/seed_session",
-                {"task_input": task["task_input"]},
-                {},
-            ),
-            "model": (
-                self.cluster.url_of("model") + f"/ng-rollout/{key}/v1/chat/completions",
-                {"messages": [{"role": "user", "content": "late"}], "max_tokens": 1},
-                {},
-            ),
-        }
-        for kind, (url, body, headers) in probes.items():
-            with anyio.fail_after(DEADLINE_SECONDS):
-                reply = await self.http.post(url, json=body, headers=headers)
-            code = _error_code(reply)
-            accepted = reply.status_code < 400
-            await self.log(
-                {
-                    "event": "stale_probe",
-                    "crash": self.plan.phase,
-                    "kind": kind,
-                    "key": key,
-                    "status": reply.status_code,
-                    "code": code,
-                    "accepted": accepted,
-                    "after": "retire",
-                }
-            )
+        answers = await self.send_probes(episode, "seed", within=DEADLINE_SECONDS, after="retire")
+        for kind, (status, code) in answers.items():
             if code != "stale_attempt":
                 await self.violation(
-                    "retire_refuses", f"{kind} answered {reply.status_code} {code} for {key}"
+                    "retire_refuses", f"{kind} answered {status} {code} for {episode.capture_key}"
                 )
 
     async def check_open(self) -> None:

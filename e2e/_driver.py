@@ -435,11 +435,8 @@ class Driver:
                 # The checkpoint a crash restores should carry a generation cut, or the run
                 # cannot show one continued; on a busy machine the calls may all finish before
                 # admission closes, so that commit is abandoned and taken again (bounded).
-                # Never before something is published: if the rollouts then all finished while
-                # commits were being abandoned, the crash would have nothing to restore (D247).
                 last = taken == self.plan.checkpoints - 1 and self.plan.crash_after
-                published = (self.root / "checkpoints" / "LATEST").exists()
-                need_cut = last and published and self.abandoned < CUT_RETRIES
+                need_cut = last and self.abandoned < CUT_RETRIES
                 if await self.checkpoint(index, need_cut=need_cut):
                     taken += 1
                 index += 1

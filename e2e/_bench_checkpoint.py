@@ -90,6 +90,10 @@ async def take_checkpoint(
     if not prepared.prepared:
         await coordinator.resume(checkpoint_id, time.time() + deadline_seconds)
         raise RuntimeError(f"prepare stayed blocked: {prepared.blockers()}")
+    cut_counts = {
+        name: sum(reply.report.counts.get(name, 0) for reply in prepared.replies.values())
+        for name in ("cut", "cut_failed", "cut_skipped")
+    }
     in_scope = prepared.continued(episodes)
     commits = await coordinator.commit(checkpoint_id, deadline, str(directory), in_scope)
     after_commit = time.perf_counter()
@@ -117,6 +121,7 @@ async def take_checkpoint(
         "commit_s": after_commit - after_prepare,
         "publish_s": after_publish - after_commit,
         "resume_s": ended - after_publish,
+        **cut_counts,
     }
 
 
@@ -168,12 +173,12 @@ async def measure_size(
             await wait_for(
                 cluster.every_generation_grew, "a new token on every call", within_s=120.0
             )
-            staged_before = set(staging.iterdir())
+            staged_before = set(files_under(staging))
             with (profiler or nullcontext)():
                 sample = await take_checkpoint(cluster, f"bench-{rollouts}-{repeat}", episodes)
             written = checkpoint_bytes(cluster, sample["directory"])
             # The generation cuts' durable prefixes are bytes this checkpoint wrote too.
-            cut_files = [path for path in staging.iterdir() if path not in staged_before]
+            cut_files = [path for path in files_under(staging) if path not in staged_before]
             written.update({str(path): path.read_bytes() for path in cut_files})
             files, size = len(written), sum(len(data) for data in written.values())
             sample["cut_files"] = len(cut_files)
@@ -195,6 +200,9 @@ async def measure_size(
         "publish_s": median([s["publish_s"] for s in samples]),
         "resume_s": median([s["resume_s"] for s in samples]),
         "pause_samples_s": [round(s["pause_s"], 6) for s in samples],
+        "cut": min(s["cut"] for s in samples),
+        "cut_failed": max(s["cut_failed"] for s in samples),
+        "us_per_rollout": round(overhead / rollouts * 1e6, 1) if rollouts else None,
         "files": files,
         "cut_files": [s["cut_files"] for s in samples],
         "bytes": size,

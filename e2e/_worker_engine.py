@@ -25,6 +25,7 @@ from participants import (
     ActiveCall,
     CaptureError,
     RolloutTokenCapture,
+    put_entries,
     rebuild_generation_cut,
 )
 from protocols import (
@@ -54,6 +55,9 @@ TOKEN_LOG_PROB: Final = -math.log(37)
 """Every generated token's log-prob: the worker draws uniformly from a 37-token alphabet."""
 TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
 FINISH_REASON: Final = "length"
+CUT_BATCH: Final = 4096
+"""Calls staged per batch of a cut round: one segment (two fsyncs) each, sealed when durable, so a
+round that outlives its deadline keeps the batches that made it."""
 
 
 class _EngineAdapter:
@@ -106,6 +110,17 @@ class _Finished:
     finished_at: float
 
 
+@dataclass(frozen=True)
+class _CutPlan:
+    """One call of a cut batch: what it stages (``key`` None: nothing new since its last cut)."""
+
+    prefix: GenerationCutPrefix
+    live: _LiveCall
+    key: str | None
+    count: int
+    sequence: int
+
+
 @dataclass
 class WorkerEngine:
     """State and behaviour of one deterministic worker process.
@@ -132,6 +147,7 @@ class WorkerEngine:
 
     def __post_init__(self) -> None:
         self.capture = RolloutTokenCapture(self.store, adapter=_EngineAdapter())
+        self._cut_round = anyio.Lock()
 
     # --- completions -----------------------------------------------------------------------
 
@@ -318,23 +334,29 @@ class WorkerEngine:
     async def cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
         """Make the generated prefix of every listed call durable, within the cut deadline.
 
-        Each call is cut concurrently and independently; one that fails or outlives the deadline
-        is acked ``durable_failure``. Decoding is never paused.
+        The round is staged in batches (:data:`CUT_BATCH` calls per segment of the staging
+        store, so a batch costs a bounded number of fsyncs however many calls it holds); each
+        batch is sealed once durable. A call whose batch fails or outlives the deadline is acked
+        ``durable_failure``. Decoding is never paused.
         """
-        acks: dict[str, GenerationCutPrefixAck] = {}
-
-        async def cut_one(prefix: GenerationCutPrefix) -> None:
-            acks[prefix.ticket_id] = GenerationCutPrefixAck.failure(prefix)
-            with anyio.move_on_after(self.cut_timeout_ms / 1000):
-                try:
-                    acks[prefix.ticket_id] = await self._cut_call(inventory.checkpoint_id, prefix)
-                except Exception:
-                    # A cut is optional: its failure only costs regeneration after a restore.
-                    _log.exception("generation cut of %s failed", prefix.model_call_id)
-
-        async with anyio.create_task_group() as group:
-            for prefix in inventory.active_prefixes:
-                group.start_soon(cut_one, prefix)
+        prefixes = inventory.active_prefixes
+        acks = {prefix.ticket_id: GenerationCutPrefixAck.failure(prefix) for prefix in prefixes}
+        running: list[tuple[GenerationCutPrefix, _LiveCall]] = []
+        for prefix in prefixes:
+            live = self.live.get(prefix.model_call_id)
+            if live is None:
+                acks[prefix.ticket_id] = self._terminal_ack(inventory.checkpoint_id, prefix)
+            elif live.capture_key == prefix.capture_key:
+                running.append((prefix, live))
+        with anyio.move_on_after(self.cut_timeout_ms / 1000):
+            async with self._cut_round:  # rounds one after another: each call's cuts in order
+                for start in range(0, len(running), CUT_BATCH):
+                    batch = running[start : start + CUT_BATCH]
+                    try:
+                        acks.update(await self._cut_batch(inventory.checkpoint_id, batch))
+                    except Exception:
+                        # A cut is optional: its failure only costs regeneration after a restore.
+                        _log.exception("a generation-cut batch of %d call(s) failed", len(batch))
         cut_id = uuid.uuid4().hex
         return GenerationCutReceipt(
             checkpoint_id=inventory.checkpoint_id,
@@ -342,80 +364,100 @@ class WorkerEngine:
             inventory_digest=inventory.inventory_digest,
             inventory=inventory,
             backend_snapshot_id=f"{self.name}/{cut_id}",
-            prefixes=[acks[prefix.ticket_id] for prefix in inventory.active_prefixes],
+            prefixes=[acks[prefix.ticket_id] for prefix in prefixes],
         )
 
-    async def _cut_call(
-        self, checkpoint_id: str, prefix: GenerationCutPrefix
-    ) -> GenerationCutPrefixAck:
-        live = self.live.get(prefix.model_call_id)
-        if live is None:
-            return self._terminal_ack(checkpoint_id, prefix)
-        if live.capture_key != prefix.capture_key:
-            return GenerationCutPrefixAck.failure(prefix)
-        snapshot: StagedCallRecord | None = None
-        async with live.cut_lock:
-            count = len(live.generated)  # decoding goes on past this point; the cut stops here
-            if not live.staged or count > live.staged_count:
-                sequence = live.last_sequence + 1
-                live.last_sequence = sequence
-                key = generation_cut_staging_key(live.call.model_call_id, sequence)
-                # One hop to a worker thread per cut, not two: with thousands of calls cut at
-                # once, the hops queue behind the thread limiter (bench checkpoint's profile).
-                record, snapshot = await anyio.to_thread.run_sync(
-                    self._stage_cut_and_snapshot, live, key, count, abandon_on_cancel=True
-                )
-                # Reached only if the record is durable within the deadline: seal it.
-                live.staged.append(record)
-                live.staged_keys.append(key)
-                live.staged_count = count
-                live.sealed_sequence = sequence
-            # Read together under the lock: a later cut may seal more while this one answers.
-            staged = list(live.staged)
-            keys = list(live.staged_keys)
-            sealed_count = live.staged_count
-            sequence = live.sealed_sequence
-        if snapshot is None:  # nothing new to stage: the snapshot of what is sealed already
-            snapshot = await anyio.to_thread.run_sync(rebuild_generation_cut, staged)
-        return GenerationCutPrefixAck(
-            **prefix.model_dump(),
-            disposition="durable_prefix",
-            cut_kind="active_prefix",
-            frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
-            staging_keys=keys,
-            prefix_token_count=live.continued + sealed_count,
-            prefix_digest=snapshot.digest,
-            effective_output_limit=live.max_tokens,
-        )
+    async def _cut_batch(
+        self, checkpoint_id: str, batch: list[tuple[GenerationCutPrefix, _LiveCall]]
+    ) -> dict[str, GenerationCutPrefixAck]:
+        """Stage and seal one batch of a round; the acks of its calls."""
+        held: list[_LiveCall] = []
+        try:
+            for _, live in batch:
+                if not live.cut_lock.locked():  # no wait, no yield: thousands are taken at once
+                    live.cut_lock.acquire_nowait()
+                else:
+                    await live.cut_lock.acquire()  # an abort is waiting on this call: take turns
+                held.append(live)
+            plans = []
+            for prefix, live in batch:
+                count = len(live.generated)  # decoding goes on past this point; the cut stops here
+                key = None
+                if not live.staged or count > live.staged_count:
+                    live.last_sequence += 1
+                    key = generation_cut_staging_key(live.call.model_call_id, live.last_sequence)
+                plans.append(_CutPlan(prefix, live, key, count, live.last_sequence))
+            # One hop to a worker thread and one staging batch for the whole batch.
+            staged = await anyio.to_thread.run_sync(
+                self._stage_batch, checkpoint_id, plans, abandon_on_cancel=True
+            )
+            # Reached only if the batch is durable within the deadline: seal it.
+            for plan, (record, _) in zip(plans, staged, strict=True):
+                if record is not None and plan.key is not None:
+                    live = plan.live
+                    live.staged.append(record)
+                    live.staged_keys.append(plan.key)
+                    live.staged_count = plan.count
+                    live.sealed_sequence = plan.sequence
+            return {
+                plan.prefix.ticket_id: ack for plan, (_, ack) in zip(plans, staged, strict=True)
+            }
+        finally:
+            for live in held:
+                live.cut_lock.release()
 
-    def _stage_cut_and_snapshot(
-        self, live: _LiveCall, key: str, count: int
-    ) -> tuple[StagedCallRecord, StagedCallRecord]:
-        """Stage the next cut record (blocking), then join the call's records with it (the
-        cut lock is held, so ``live.staged`` cannot change in between)."""
-        record = self._stage_cut(live, key, count)
-        return record, rebuild_generation_cut([*live.staged, record])
+    def _stage_batch(
+        self, checkpoint_id: str, plans: list[_CutPlan]
+    ) -> list[tuple[StagedCallRecord | None, GenerationCutPrefixAck]]:
+        """Build every new cut record, stage them as one batch, and build every ack (blocking;
+        the calls' cut locks are held, so their staged records cannot change meanwhile)."""
+        built: list[tuple[_CutPlan, StagedCallRecord | None]] = []
+        entries = []
+        for plan in plans:
+            record = None
+            if plan.key is not None:
+                record = self._build_cut_record(plan.live, plan.count)
+                entries.append(StagedEntry(staging_key=plan.key, record=record))
+            built.append((plan, record))
+        put_entries(self.store, entries)
+        results = []
+        for plan, record in built:
+            live = plan.live
+            staged = live.staged if record is None else [*live.staged, record]
+            keys = live.staged_keys if plan.key is None else [*live.staged_keys, plan.key]
+            sealed = live.staged_count if record is None else plan.count
+            sequence = live.sealed_sequence if record is None else plan.sequence
+            snapshot = rebuild_generation_cut(staged)
+            ack = GenerationCutPrefixAck(
+                **plan.prefix.model_dump(),
+                disposition="durable_prefix",
+                cut_kind="active_prefix",
+                frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
+                staging_keys=list(keys),
+                prefix_token_count=live.continued + sealed,
+                prefix_digest=snapshot.digest,
+                effective_output_limit=live.max_tokens,
+            )
+            results.append((record, ack))
+        return results
 
-    def _stage_cut(self, live: _LiveCall, key: str, count: int) -> StagedCallRecord:
-        """Build and durably stage the next cut record of a live call (blocking)."""
+    def _build_cut_record(self, live: _LiveCall, count: int) -> StagedCallRecord:
+        """The next cut record of a live call: the cumulative prefix first, then chunks."""
         generated = live.generated[:count]
         log_probs = live.log_probs[:count]
         if not live.staged:
-            record = self.capture.build_prefix_record(
+            return self.capture.build_prefix_record(
                 live.call,
                 prompt_token_ids=live.engine_prompt,
                 generated_token_ids=generated,
                 generated_logprobs=log_probs,
             )
-        else:
-            record = self.capture.build_generation_chunk_record(
-                live.call,
-                staged=live.staged,
-                generated_token_ids=generated[live.staged_count :],
-                generated_logprobs=log_probs[live.staged_count :],
-            )
-        self.store.put(StagedEntry(staging_key=key, record=record))
-        return record
+        return self.capture.build_generation_chunk_record(
+            live.call,
+            staged=live.staged,
+            generated_token_ids=generated[live.staged_count :],
+            generated_logprobs=log_probs[live.staged_count :],
+        )
 
     def _terminal_ack(
         self, checkpoint_id: str, prefix: GenerationCutPrefix

@@ -74,7 +74,7 @@ from ._resources_types import (
     VerifyMode,
 )
 from ._runtime import ControlPlane, ControlSettings
-from ._staging_store import FileTokenStagingStore
+from ._staging_store import FileTokenStagingStore, put_entries
 from ._storage import (
     WRITE_STEPS,
     ParticipantCheckpoint,
@@ -209,6 +209,7 @@ __all__ = [
     "make_directory_durable",
     "participant_app",
     "private_socket_path",
+    "put_entries",
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",

@@ -48,6 +48,8 @@ CLAIM_RETRY_SECONDS: Final = 0.05
 """Pause before claiming a restored cut again while the coordinator is closed but not yet this
 worker."""
 
+EXPORT_BATCH: Final = 512
+"""Ledgers an export reads per worker-thread hop: one hop per episode cost more than the reads."""
 MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledger-import"})
 """Fault switches the model participant knows (``midflight drill --fault``)."""
 
@@ -225,8 +227,12 @@ class ModelParticipant(BaseParticipant):
         if "export-undelivered" in self.faults:
             undelivered = set()
         records: list[Record] = []
-        for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
-            rows = await anyio.to_thread.run_sync(self.ledger.export_rows, episode.capture_key)
+        episodes = sorted(set(episode_ids), key=lambda e: e.capture_key)
+        exported: list[list[dict[str, Any]]] = []
+        for start in range(0, len(episodes), EXPORT_BATCH):  # one thread hop per batch
+            keys = [episode.capture_key for episode in episodes[start : start + EXPORT_BATCH]]
+            exported += await anyio.to_thread.run_sync(self._export_rows, keys)
+        for episode, rows in zip(episodes, exported, strict=True):
             kept = [row for row in rows if row.get("model_call_id") not in undelivered]
             key = episode.capture_key
             cut = live_cuts.get(key) or self.restored_cuts.records.get(key)
@@ -236,6 +242,9 @@ class ModelParticipant(BaseParticipant):
                     {"episode_id": episode.model_dump(), "rows": kept, "generation_cuts": cuts}
                 )
         return records
+
+    def _export_rows(self, keys: Sequence[str]) -> list[list[dict[str, Any]]]:
+        return [self.ledger.export_rows(key) for key in keys]
 
     def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
         """Rows to keep staged and the episodes whose record carries a cut (see

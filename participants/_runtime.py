@@ -54,6 +54,7 @@ from protocols import (
 )
 
 from ._clock import Clock, SystemClock, run_until, wait_until
+from ._collector import COLLECTOR_PAUSE
 from ._kill_points import KillPoint
 from ._marks import RetireMarks
 from ._participant import Participant
@@ -80,6 +81,9 @@ class ControlSettings:
             directory once ``..`` and symlinks are resolved (else ``invalid_request``, nothing
             changed); ``None`` accepts any absolute directory (a library user's own choice).
             Every reference server sets it (D240).
+        pause_collector: Whether Python's cyclic garbage collector is paused while this plane is
+            outside ``IDLE`` (D249): a full collection over a large heap would otherwise land
+            inside the checkpoint's pause.
     """
 
     lease_grace_seconds: float = DEFAULT_LEASE_GRACE_SECONDS
@@ -88,6 +92,7 @@ class ControlSettings:
     readiness_poll_seconds: float = 1.0
     fence_on_restore: bool = True
     checkpoint_root: Path | None = None
+    pause_collector: bool = True
 
     def __post_init__(self) -> None:
         for name in (
@@ -158,6 +163,7 @@ class ControlPlane:
                 yield self
             finally:
                 self._task_group = None
+                self._hold_collector(self.phase is not Phase.IDLE, False)  # stopped mid-checkpoint
                 group.cancel_scope.cancel()
 
     @property
@@ -214,9 +220,18 @@ class ControlPlane:
         return reply
 
     def transition(self, event: PhaseEvent) -> None:
-        """Move along the phase table."""
-        self.phase = next_phase(self.phase, event)
+        """Move along the phase table; outside ``IDLE`` the cyclic collector is paused (D249)."""
+        before, self.phase = self.phase, next_phase(self.phase, event)
         self.telemetry.set_phase(self.phase)
+        self._hold_collector(before is not Phase.IDLE, self.phase is not Phase.IDLE)
+
+    def _hold_collector(self, held: bool, hold: bool) -> None:
+        if not self.settings.pause_collector or held == hold:
+            return
+        if hold:
+            COLLECTOR_PAUSE.hold()
+        else:
+            COLLECTOR_PAUSE.release()
 
     def renew_lease(self, deadline_ts: float) -> None:
         """Extend the lease to ``deadline_ts`` plus the grace; it never shrinks."""

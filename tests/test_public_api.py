@@ -82,7 +82,7 @@ PUBLIC = {
         "error_response", "error_responses", "fsync_directory",
         "generation_cut_restart_reason", "install_error_envelope", "ledger_control_router",
         "listen_private", "make_directory_durable", "participant_app",
-        "private_socket_path", "read_kill_announcements", "read_participant_checkpoint",
+        "private_socket_path", "put_entries", "read_kill_announcements", "read_participant_checkpoint",
         "rebuild_generation_cut", "remove_stale_socket_dirs", "slot_of", "write_file_durably",
     ],
     "coordinator": [

@@ -11,7 +11,15 @@ from e2e import build_app
 from e2e._bench_checkpoint import boundary_wait
 
 runner = CliRunner()
-ROW_FIELDS = {"rollouts", "pause_s", "overhead_s", "floor_s", "ratio"}
+ROW_FIELDS = {
+    "rollouts",
+    "pause_s",
+    "overhead_s",
+    "floor_s",
+    "ratio",
+    "cut_failed",
+    "us_per_rollout",
+}
 
 
 def test_boundary_wait_adds_the_longest_wait_of_each_stage() -> None:
@@ -52,9 +60,11 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
         assert row["parked"] == row["rollouts"]  # nothing finished or went missing
         assert row["floor_s"] > 0 and row["ratio"] > 0
         assert row["pause_s"] >= row["overhead_s"] > 0
-        # Every repeat cut every parked generation, and the floor wrote those records too.
-        assert row["cut_files"] == [row["rollouts"]] * 2
-        assert row["files"] == 10 + row["rollouts"]
+        # Every repeat cut every parked generation in one staging segment, and the floor wrote
+        # that segment too.
+        assert row["cut"] == row["rollouts"] and row["cut_failed"] == 0
+        assert row["cut_files"] == [1, 1]
+        assert row["files"] == 10 + 1
     assert json.loads((out / "checkpoint.json").read_text())["rows"] == payload["rows"]
     assert (out / "checkpoint.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert list(scratch.iterdir()) == []  # the scratch directory is removed

@@ -4,7 +4,7 @@ terminal races, hung and failing cuts, continuations and staging chains."""
 from __future__ import annotations
 
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -298,6 +298,13 @@ class CutFaultStore(FileTokenStagingStore):
             raise OSError("released")
         super().put(entry)
 
+    def put_many(self, entries: Sequence[StagedEntry]) -> None:
+        # A cut round stages its records as one batch: the fault hits the batch.
+        for entry in entries:
+            if entry.staging_key.startswith(GENERATION_CUT_KEY_PREFIX):
+                self.put(entry)
+        super().put_many(entries)
+
 
 @pytest.mark.parametrize("hang", [True, False])
 async def test_a_hung_or_failing_cut_is_a_durable_failure_and_never_blocks_decoding(
@@ -417,3 +424,35 @@ async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Pa
         assert reply.status_code == 413
         assert reply.json()["error"]["code"] == "request_too_large"
         assert engine.live == {}
+
+
+async def test_a_cut_round_stages_its_calls_in_batches_each_one_segment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("e2e._worker_engine.CUT_BATCH", 2)
+    store = FileTokenStagingStore(tmp_path / "staging")
+    calls = [f"c{i}" for i in range(5)]
+    async with (
+        worker(tmp_path, store=store, token_delay_ms=5) as (client, engine),
+        anyio.create_task_group() as group,
+    ):
+        for call in calls:
+            body = _body(call=call, key=f"r-{call}", max_tokens=400)
+            group.start_soon(lambda b=body: client.post("/v1/completions", json=b))
+        await _until(lambda: all(_generated(engine, call) >= 2 for call in calls))
+        receipt = await _cut(client, *[(call, f"r-{call}", 0) for call in calls])
+        assert [ack.disposition for ack in receipt.prefixes] == ["durable_prefix"] * 5
+        assert len(store.segment_names()) == 3  # five calls, two per batch
+        fresh = FileTokenStagingStore(tmp_path / "staging")  # what a restored worker reads
+        for ack in receipt.prefixes:
+            assert ack.staging_keys is not None and ack.prefix_token_count is not None
+            [key] = ack.staging_keys
+            entry = fresh.get(key)
+            assert entry is not None and entry.record.digest == ack.prefix_digest
+            assert entry.record.generated_token_count == ack.prefix_token_count
+        await _until(lambda: all(_generated(engine, call) > 80 for call in calls))
+        again = await _cut(client, *[(call, f"r-{call}", 0) for call in calls])
+        assert len(store.segment_names()) == 6  # each call's next cut stages a chunk
+        assert all(len(ack.staging_keys or []) == 2 for ack in again.prefixes)
+        await engine.abort(calls)
+        group.cancel_scope.cancel()

@@ -1,0 +1,76 @@
+"""The cyclic collector is paused while any control plane of the process holds a checkpoint open
+(D249), and given back as it was found."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from participants._collector import COLLECTOR_PAUSE, CollectorPause
+from protocols import Phase
+
+from .runtime_support import ep, harness, req
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def collector_enabled() -> Iterator[None]:
+    assert COLLECTOR_PAUSE.holders == 0, "an earlier test left the collector paused"
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    assert COLLECTOR_PAUSE.holders == 0
+    if not was:
+        gc.disable()
+
+
+async def test_a_checkpoint_pauses_the_collector_until_resume(tmp_path: Path) -> None:
+    async with harness(tmp_path) as h:
+        h.fake.start(ep("a"))
+        assert gc.isenabled()
+        reply = await h.plane.prepare(req("c1"))
+        assert reply.phase is Phase.PREPARED
+        assert not gc.isenabled()  # prepared: admission closed, no full collection meanwhile
+        await h.plane.resume(req("c1"))
+        assert gc.isenabled()
+
+
+async def test_the_last_plane_to_reopen_gives_the_collector_back(tmp_path: Path) -> None:
+    async with harness(tmp_path / "a") as first, harness(tmp_path / "b") as second:
+        await first.plane.prepare(req("c1"))
+        await second.plane.prepare(req("c2"))
+        await first.plane.resume(req("c1"))
+        assert not gc.isenabled()  # the second plane still holds its checkpoint
+        await second.plane.resume(req("c2"))
+        assert gc.isenabled()
+
+
+async def test_a_plane_stopped_mid_checkpoint_gives_its_hold_back(tmp_path: Path) -> None:
+    async with harness(tmp_path) as h:
+        await h.plane.prepare(req("c1"))
+        assert not gc.isenabled()
+    assert gc.isenabled() and COLLECTOR_PAUSE.holders == 0
+
+
+async def test_the_pause_can_be_switched_off(tmp_path: Path) -> None:
+    async with harness(tmp_path, pause_collector=False) as h:
+        await h.plane.prepare(req("c1"))
+        assert gc.isenabled()
+        await h.plane.resume(req("c1"))
+
+
+def test_a_collector_disabled_before_the_first_hold_stays_disabled() -> None:
+    pause = CollectorPause()
+    gc.disable()
+    pause.hold()
+    pause.hold()
+    pause.release()
+    pause.release()
+    assert not gc.isenabled()
+    gc.enable()
+    with pytest.raises(RuntimeError, match="not held"):
+        pause.release()

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from participants import RESOURCES_MODES, VERIFY_MODES
 
-from ._drill import FAULTS, DrillOptions, run_drill
+from ._drill import FAULTS, DrillOptions, DrillStalledError, default_concurrency, run_drill
 from ._drill_progress import DrillProgress
 from ._oracle import ERROR_FIGURES, MIN_CHECKPOINTS, MIN_CRASHES
 from ._output import JsonOption, console, emit, error_console, usage_error
@@ -104,7 +104,14 @@ def register(app: typer.Typer) -> None:
         token_delay_ms: Annotated[
             float, typer.Option(min=0.0, help="Worker delay per token.")
         ] = 4.0,
-        concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight at once.")] = 4,
+        concurrency: Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="Rollouts in flight at once \\[default: 4; a quarter of --rollouts, at most "
+                "256, from 20 rollouts on].",
+            ),
+        ] = None,
         fault: Annotated[
             str | None, typer.Option(help="Inject a fault: " + ", ".join(sorted(FAULTS)))
         ] = None,
@@ -188,6 +195,8 @@ def register(app: typer.Typer) -> None:
             refuse_a_drill_that_cannot_pass(checkpoints, crashes)
         if rollouts is None:
             rollouts = REFERENCE_ROLLOUTS if sequences else 8
+        if concurrency is None:
+            concurrency = default_concurrency(rollouts)
         options = DrillOptions(
             rollouts=rollouts,
             checkpoints=checkpoints,
@@ -239,6 +248,10 @@ def register(app: typer.Typer) -> None:
                 )
         except ValueError as exc:  # a kept baseline of other rollouts: nothing was run
             usage_error(str(exc))
+        except DrillStalledError as exc:  # one line, never a traceback
+            kept = "" if keep_dir is not None else "; rerun with --keep-dir DIR to keep the logs"
+            error_console.print(f"midflight drill: FAIL: {exc}{kept}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
         finally:
             if keep_dir is None:
                 shutil.rmtree(work, ignore_errors=True)

@@ -43,6 +43,20 @@ RESTART_ENVIRONMENT: Final = "environment-restart"
 """The second agent (restart-only) and the environment that drives it."""
 
 
+class DrillStalledError(RuntimeError):
+    """A phase's controller exited early or made no progress within the phase timeout."""
+
+
+MAX_DEFAULT_CONCURRENCY: Final = 256
+
+
+def default_concurrency(rollouts: int) -> int:
+    """Rollouts in flight when ``--concurrency`` is not given: 4 for the small drills, a quarter
+    of the rollouts for the large ones (at most 256), so a thousand rollouts run hundreds at a
+    time through real processes instead of four at a time."""
+    return max(4, min(rollouts // 4, MAX_DEFAULT_CONCURRENCY))
+
+
 @dataclass(frozen=True)
 class DrillOptions:
     """What ``midflight drill`` runs."""
@@ -58,6 +72,7 @@ class DrillOptions:
     concurrency: int = 4
     fault: str | None = None
     phase_timeout_s: float = 120.0
+    """How long a phase's controller may stay silent (it prints a line per accepted rollout)."""
     verify: str = "wait"
     resources_mode: str = "exported"
     restart_only_share: float = 0.2
@@ -155,6 +170,19 @@ class DriverProcess:
         """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
         return any(text == word for text in self.lines(timeout, on_line))
 
+    def wait_for_progressing(self, word: str, stall: float, on_line: Callable[[str], None]) -> bool:
+        """:meth:`wait_for`, but ``stall`` bounds the silence between two lines, not the whole
+        wait: a phase of a thousand rollouts may take long while it keeps printing progress."""
+        while True:
+            read = False
+            for text in self.lines(stall, on_line):
+                if text == word:
+                    return True
+                read = True
+                break  # a line came: the next one gets a whole stall again
+            if not read:
+                return False  # silent for the whole stall, or the process ended
+
     def kill(self) -> None:
         """SIGKILL the controller's process group."""
         with contextlib.suppress(ProcessLookupError):
@@ -239,8 +267,12 @@ def run_cluster(
             driver = DriverProcess(root, supervisor.cluster_path, plan, env)
             try:
                 word = "crash-point" if crash_after else "done"
-                if not driver.wait_for(word, options.phase_timeout_s, on_line):
-                    raise RuntimeError(f"the driver did not reach {word!r} in phase {phase}")
+                if not driver.wait_for_progressing(word, options.phase_timeout_s, on_line):
+                    raise DrillStalledError(
+                        f"the drill's controller did not reach {word!r} in phase {phase}: it "
+                        f"exited or printed nothing for {options.phase_timeout_s:g} s (its log "
+                        f"is {root / 'logs' / f'driver-{phase}.log'})"
+                    )
             finally:
                 driver.kill()
             if crash_after:

@@ -31,6 +31,7 @@ from protocols import EpisodeId
 from ._cluster import Cluster, read_cluster
 from ._control import ControlSession
 from ._evidence import EvidenceLog, read_evidence
+from ._peer_pool import PEER_POOL
 from ._probes import ResourcesProbe, probe_requests
 
 DEADLINE_SECONDS = 30.0
@@ -95,8 +96,9 @@ class Driver:
         # until they start, or the commit deletes their restored state (control-plane §5).
         self.owed: dict[str, int] = {}
         self.done_events: dict[str, anyio.Event] = {}
+        self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
         self.control = ControlSession(cluster, token)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0))
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL)
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}
         self.last_cuts: list[str] = []
@@ -131,6 +133,7 @@ class Driver:
         if self.owed.get(rollout) == attempt:
             del self.owed[rollout]  # in flight now: the scope names it from in_flight
         self.done_events[rollout] = anyio.Event()
+        self.refused_events[rollout] = anyio.Event()
         try:
             await self.log({"event": "dispatch", "rollout": rollout, "attempt": attempt})
             body = {
@@ -139,9 +142,11 @@ class Driver:
             }
             url = self.environment_url(rollout) + "/run"
             while True:
+                refused = self.refused_events[rollout] = anyio.Event()
                 reply = await self.http.post(url, json=body)
                 code = _error_code(reply)
                 if code == "admission_closed":
+                    refused.set()  # not running anywhere: a commit need not wait for it
                     await anyio.sleep(0.05)  # a checkpoint is open: same attempt after resume
                     continue
                 break
@@ -188,6 +193,21 @@ class Driver:
                 del self.in_flight[rollout]
             self.done_events[rollout].set()
             self.wake.set()
+
+    async def finished_or_refused(self, rollout: str) -> None:
+        """Wait until the rollout's attempt ends or its ``/run`` is refused at the closed
+        admission. A rollout left out of an export either finished (its reply is on the wire)
+        or never started: with hundreds in flight, some were dispatched while the checkpoint
+        held admission closed, and they finish only after the resume this commit precedes."""
+        done, refused = self.done_events[rollout], self.refused_events[rollout]
+        async with anyio.create_task_group() as group:
+
+            async def first(event: anyio.Event) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(first, done)
+            group.start_soon(first, refused)
 
     async def discard(self, episode: EpisodeId, why: str) -> None:
         """Log that a result of ``episode`` was not accepted, and why."""
@@ -289,7 +309,7 @@ class Driver:
             key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
             if key not in exported and key not in restarts and rollout in self.done_events:
                 with anyio.move_on_after(DEADLINE_SECONDS):
-                    await self.done_events[rollout].wait()
+                    await self.finished_or_refused(rollout)
         continued = [e for e in episodes if e.capture_key in exported]
         state = ControllerState(
             accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)

@@ -33,6 +33,7 @@ from participants import (
 from protocols import EpisodeId, InternalError, MidflightError, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
+from ._peer_pool import PEER_POOL
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
@@ -151,6 +152,7 @@ def create_agent_app(
                     base_url=ctx.peer_url(role),
                     timeout=HELD_CALL_TIMEOUT,
                     transport=transport,
+                    limits=PEER_POOL,
                 )
                 await stack.enter_async_context(client)
                 setattr(peers, role, client)

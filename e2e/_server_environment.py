@@ -33,6 +33,7 @@ from participants import (
 from protocols import DeadlineExceededError, EpisodeId, error_from_envelope
 
 from ._cmd_serve import ServeContext, control_settings
+from ._peer_pool import PEER_POOL
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
@@ -291,12 +292,14 @@ def create_environment_app(
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=agent_transport,
         cookies=_no_cookie_jar(),
+        limits=PEER_POOL,
     )
     resources = httpx.AsyncClient(
         base_url=ctx.peer_url("resources"),
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=resources_transport,
         cookies=_no_cookie_jar(),
+        limits=PEER_POOL,
     )
     participant = EnvironmentParticipant(
         ctx.name,

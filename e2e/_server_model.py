@@ -67,6 +67,7 @@ from protocols import (
 
 from ._cmd_serve import ServeContext, active_fault, control_settings
 from ._evidence import EvidenceLog, read_evidence
+from ._peer_pool import PEER_POOL
 from ._policy_apis import (
     CHAT_API,
     MESSAGES_API,
@@ -160,7 +161,10 @@ class PolicyServer:
     async def running(self) -> AsyncIterator[None]:
         """The worker client, for as long as the server runs."""
         async with httpx.AsyncClient(
-            base_url=self.worker_url, timeout=WORKER_TIMEOUT, transport=self._transport
+            base_url=self.worker_url,
+            timeout=WORKER_TIMEOUT,
+            transport=self._transport,
+            limits=PEER_POOL,
         ) as client:
             self.client = client
             try:

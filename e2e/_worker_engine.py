@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 
 from participants import (
@@ -55,6 +56,10 @@ TOKEN_LOG_PROB: Final = -math.log(37)
 """Every generated token's log-prob: the worker draws uniformly from a 37-token alphabet."""
 TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
 FINISH_REASON: Final = "length"
+UNPACED_TOKENS_PER_YIELD: Final = 64
+"""With no token delay, decoding yields to the event loop once per this many tokens, not per
+token: in one process (the benches) each yield resumes the whole environment → agent → model →
+worker await chain, which cost more than the tokens themselves (D253)."""
 CUT_BATCH: Final = 4096
 """Calls staged per batch of a cut round: one segment (two fsyncs) each, sealed when durable, so a
 round that outlives its deadline keeps the batches that made it."""
@@ -217,8 +222,12 @@ class WorkerEngine:
         tokens = live.generated if live is not None else []
         log_probs = live.log_probs if live is not None else []
         prompt_bytes = bytes(prompt)
+        delay = self.token_delay_ms / 1000
         for position in range(start, stop):
-            await anyio.sleep(self.token_delay_ms / 1000)
+            if delay > 0:
+                await anyio.sleep(delay)
+            elif (position - start) % UNPACED_TOKENS_PER_YIELD == 0:
+                await anyio.lowlevel.checkpoint()  # unpaced: yield (and see a cancel) per chunk
             tokens.append(generate_token(self.seed, prompt_bytes, position))
             log_probs.append(TOKEN_LOG_PROB)
         return tokens
@@ -340,7 +349,7 @@ class WorkerEngine:
         ``durable_failure``. Decoding is never paused.
         """
         prefixes = inventory.active_prefixes
-        acks = {prefix.ticket_id: GenerationCutPrefixAck.failure(prefix) for prefix in prefixes}
+        acks: dict[str, GenerationCutPrefixAck] = {}  # a call without one is a durable_failure
         running: list[tuple[GenerationCutPrefix, _LiveCall]] = []
         for prefix in prefixes:
             live = self.live.get(prefix.model_call_id)
@@ -364,7 +373,10 @@ class WorkerEngine:
             inventory_digest=inventory.inventory_digest,
             inventory=inventory,
             backend_snapshot_id=f"{self.name}/{cut_id}",
-            prefixes=[acks[prefix.ticket_id] for prefix in prefixes],
+            prefixes=[
+                acks.get(prefix.ticket_id) or GenerationCutPrefixAck.failure(prefix)
+                for prefix in prefixes
+            ],
         )
 
     async def _cut_batch(

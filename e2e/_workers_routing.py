@@ -23,7 +23,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
 from participants import WorkerMember, authorized, error_response, slot_of
-from protocols import CONTROL_PREFIX, EpisodeId, MidflightError, UnauthorizedError
+from protocols import (
+    CONTROL_PREFIX,
+    CheckpointCoordinatorUnavailableError,
+    EpisodeId,
+    MidflightError,
+    UnauthorizedError,
+)
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -139,7 +145,16 @@ class WorkerRouting:
 
     async def _proxy(self, scope: Scope, receive: Receive, send: Send, peer: str) -> None:
         body = await _read_body(receive)
-        reply = await self.client.send(self._request(scope, body, peer), stream=True)
+        try:
+            reply = await self.client.send(self._request(scope, body, peer), stream=True)
+        except httpx.TransportError as exc:  # a typed, retryable refusal, never a bare 500
+            refusal = error_response(
+                CheckpointCoordinatorUnavailableError(
+                    f"worker slot {peer} did not answer the routed request: {exc!r}"[:500]
+                )
+            )
+            await refusal(scope, receive, send)
+            return
         try:
             headers = [
                 (k.encode(), v.encode())

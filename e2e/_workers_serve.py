@@ -45,6 +45,7 @@ from participants import (
 
 from ._cmd_serve import HOST, ServeContext, bind_listening_socket, control_settings
 from ._lifeline import Lifeline
+from ._peer_pool import PEER_POOL
 from ._workers_routing import WorkerRouting
 
 SLOT_ENV: Final = "MIDFLIGHT_WORKER_SLOT"
@@ -190,6 +191,7 @@ def proxy_client() -> httpx.AsyncClient:
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
         follow_redirects=False,
+        limits=PEER_POOL,
     )
 
 

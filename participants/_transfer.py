@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -78,6 +78,7 @@ class _Commit:
     write_job: Job[dict[str, Any]] | None = None
     cleanup_job: Job[None] | None = None
     park_job: Job[None] | None = None
+    exported_keys: set[str] = field(default_factory=set)  # of the records, validated by _export
 
 
 class CommitProcedure:
@@ -167,9 +168,7 @@ class CommitProcedure:
                     **plane.participant.commit_reply(records),
                     "phase": Phase.COMMITTED,
                     "manifest": manifest,
-                    "episode_ids": sorted(
-                        {record_episode(r, i).capture_key for i, r in enumerate(records)}
-                    ),
+                    "episode_ids": sorted(commit.exported_keys),
                 }
             )
             return plane.store_result(commit.checkpoint_id, PhaseEvent.COMMIT, args, reply)
@@ -199,8 +198,10 @@ class CommitProcedure:
         plane = self._plane
         records = list(await plane.participant.export(commit.scope))
         wanted = None if commit.scope is None else {e.capture_key for e in commit.scope}
+        keys = set()
         for index, record in enumerate(records):
             episode = record_episode(record, index)
+            keys.add(episode.capture_key)
             if wanted is not None and episode.capture_key not in wanted:
                 raise InvalidCheckpointStateError(
                     f"the participant exported {episode.capture_key}, which is outside the scope"
@@ -209,6 +210,7 @@ class CommitProcedure:
                 raise InvalidCheckpointStateError(
                     f"the participant exported {episode.capture_key}, a retired attempt"
                 )
+        commit.exported_keys = keys
         return records
 
     async def _delete_restored_outside(self, commit: _Commit) -> None:

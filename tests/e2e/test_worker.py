@@ -456,3 +456,23 @@ async def test_a_cut_round_stages_its_calls_in_batches_each_one_segment(
         assert all(len(ack.staging_keys or []) == 2 for ack in again.prefixes)
         await engine.abort(calls)
         group.cancel_scope.cancel()
+
+
+async def test_unpaced_decoding_yields_once_per_chunk_not_per_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import e2e._worker_engine as engine_module
+
+    yields: list[None] = []
+    real = engine_module.anyio.lowlevel.checkpoint
+
+    async def counted() -> None:
+        yields.append(None)
+        await real()
+
+    monkeypatch.setattr(engine_module.anyio.lowlevel, "checkpoint", counted)
+    async with worker(tmp_path, token_delay_ms=0) as (client, _):
+        reply = await client.post("/v1/completions", json=_body(max_tokens=200))
+    assert reply.status_code == 200
+    assert reply.json()["token_ids"] == generate_tokens(0, PROMPT, 0, 200)
+    assert len(yields) == 4  # 200 tokens, one yield per 64 (D253)

@@ -1,0 +1,25 @@
+"""The connection pool of every data-path client in the reference deployment.
+
+httpx caps a client at 100 connections by default. A reference server's client to its peer carries
+one request per rollout in flight (an episode's activation, an agent's model call, a model call on
+its worker), and a request waiting for a pooled connection is neither running nor refused: with
+hundreds of rollouts in flight a checkpoint would find episodes stuck before their first boundary
+until the pool freed up, which only happens after the resume. So data-path clients have no
+connection cap; the descriptor limit of the process is the real bound, and the drill and the
+benches say what they need. Control-path clients keep their small reserved pools (D112).
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import httpx
+
+PEER_POOL: Final = httpx.Limits(
+    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+)
+"""No cap on connections; 64 idle ones are kept for reuse, each for at most 2 s. uvicorn closes
+a connection idle for 5 s; with httpx's default of 5 s too, a client sometimes sent its request
+down a connection the server was closing and read nothing back (``ReadError('')``: 4 rollouts of
+1,000 in the first ``drill --rollouts 1000 --workers 2``). Expiring idle connections well before
+the server does removes that race."""

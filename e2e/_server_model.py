@@ -58,6 +58,7 @@ from protocols import (
     InvalidRequestError,
     LineageResolution,
     MidflightError,
+    RequestItems,
     StaleAttemptError,
     conversation_digest,
     decode,
@@ -302,39 +303,62 @@ class PolicyServer:
                 key, ticket.model_call_id, reason or "worker_capture_failed"
             )
             return
-        # A staged disposition guarantees these (CommitCoords validates it).
-        assert coords.staging_key is not None
-        assert coords.digest is not None
-        assert coords.extras_digest is not None
-        assert coords.chain_hash is not None
-        assert coords.cumulative_hash is not None
-        parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
-        record = CallRecord(
-            model_call_id=ticket.model_call_id,
-            parent_call_id=coords.parent_call_id,
-            staging_key=coords.staging_key,
-            weight_version=coords.weight_version,
-            prev_len=coords.prev_len,
-            delta_len=coords.delta_len,
-            cum_len=coords.cum_len,
-            digest=coords.digest,
-            extras_digest=coords.extras_digest,
-            mode=admission.mode,
-            admitted_at=ticket.admitted_at,
-            chain_hash=coords.chain_hash,
-            cumulative_hash=coords.cumulative_hash,
-            response_id=api.response_id(ticket.model_call_id),
-            fingerprint_version=FINGERPRINT_VERSION,
-        )
         await self.ledger.record(
-            CaptureLedgerCommit(
-                rollout_id=key,
-                record=record,
-                staging_chain=(*parent_chain, coords.staging_key),
-                request_items=call.messages,
-                response_items=[{"role": "assistant", "content": content}],
+            custody_commit(
+                key,
+                ticket,
+                call.messages,
+                content,
+                admission,
+                resolution,
+                coords,
+                api.response_id(ticket.model_call_id),
             )
         )
+
+
+def custody_commit(
+    key: str,
+    ticket: ModelTicket,
+    messages: RequestItems,
+    content: str,
+    admission: CaptureAdmission,
+    resolution: LineageResolution,
+    coords: CommitCoords,
+    response_id: str,
+) -> CaptureLedgerCommit:
+    """What ``record`` receives for a call the worker staged (``coords`` checked already)."""
+    # A staged disposition guarantees these (CommitCoords validates it).
+    assert coords.staging_key is not None
+    assert coords.digest is not None
+    assert coords.extras_digest is not None
+    assert coords.chain_hash is not None
+    assert coords.cumulative_hash is not None
+    parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
+    record = CallRecord(
+        model_call_id=ticket.model_call_id,
+        parent_call_id=coords.parent_call_id,
+        staging_key=coords.staging_key,
+        weight_version=coords.weight_version,
+        prev_len=coords.prev_len,
+        delta_len=coords.delta_len,
+        cum_len=coords.cum_len,
+        digest=coords.digest,
+        extras_digest=coords.extras_digest,
+        mode=admission.mode,
+        admitted_at=ticket.admitted_at,
+        chain_hash=coords.chain_hash,
+        cumulative_hash=coords.cumulative_hash,
+        response_id=response_id,
+        fingerprint_version=FINGERPRINT_VERSION,
+    )
+    return CaptureLedgerCommit(
+        rollout_id=key,
+        record=record,
+        staging_chain=(*parent_chain, coords.staging_key),
+        request_items=messages,
+        response_items=[{"role": "assistant", "content": content}],
+    )
 
 
 def _admission(key: str, call_id: str, resolution: LineageResolution) -> CaptureAdmission | None:

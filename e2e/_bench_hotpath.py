@@ -33,7 +33,7 @@ from typing import Any, Final
 import anyio
 
 from participants import FileCaptureLedger, ModelParticipant
-from protocols import CompletionReply, EpisodeId, conversation_digest
+from protocols import CompletionReply, EpisodeId, as_request_items, conversation_digest
 
 from ._bench_ledger import _ThreadHop
 from ._server_model import _admission, custody_commit
@@ -51,7 +51,11 @@ def _hex(*parts: object) -> str:
 def fsync_stubbed() -> Iterator[None]:
     """``os.fsync`` does nothing inside the block (CPU figures, not disk figures)."""
     real = os.fsync
-    os.fsync = lambda _fd: None
+
+    def no_sync(fd: int | Any) -> None:
+        del fd
+
+    os.fsync = no_sync
     try:
         yield
     finally:
@@ -133,9 +137,10 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
         clock = time.process_time
         t0 = clock()
         ticket = await participant.admit(EpisodeId.from_capture_key(key))
-        ticket.request_digest = conversation_digest(messages)
+        items = as_request_items(messages)  # as PolicyServer.serve does
+        ticket.request_digest = conversation_digest(items)
         t1 = clock()
-        resolution = await ledger.resolve(key, messages)
+        resolution = await ledger.resolve(key, items)
         admission = _admission(key, ticket.model_call_id, resolution)
         assert admission is not None, resolution
         t2 = clock()
@@ -150,7 +155,7 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
         commit = custody_commit(
             key,
             ticket,
-            messages,
+            items,
             content,
             admission,
             resolution,

@@ -58,8 +58,10 @@ from protocols import (
     InvalidRequestError,
     LineageResolution,
     MidflightError,
+    RequestItem,
     RequestItems,
     StaleAttemptError,
+    as_request_items,
     conversation_digest,
     decode,
     encode,
@@ -181,7 +183,10 @@ class PolicyServer:
         except ValueError as exc:  # a framing byte or a character outside Latin-1
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
-        ticket.request_digest = conversation_digest(call.messages)
+        # Validated once: the digest, the lineage matcher and the custody row all read the
+        # items, and each would validate the plain dicts again (D276).
+        items = as_request_items(call.messages)
+        ticket.request_digest = conversation_digest(items)
         ticket.restart_reason = generation_cut_restart_reason(call.constraints)
         gate = self.participant.gate
         if key is not None:
@@ -204,7 +209,7 @@ class PolicyServer:
                     reply = await self._call_worker(prompt, call.max_tokens, None)
                     ticket.backend = self.worker_url  # never cut: it belongs to no episode
                 else:
-                    reply = await self._generate(key, ticket, call, prompt, api)
+                    reply = await self._generate(key, ticket, call, items, prompt, api)
                 content = decode(reply.token_ids)
                 body = api.render(
                     ModelReply(
@@ -245,9 +250,15 @@ class PolicyServer:
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 
     async def _generate(
-        self, key: str, ticket: ModelTicket, call: ModelCall, prompt: list[int], api: ModelApi
+        self,
+        key: str,
+        ticket: ModelTicket,
+        call: ModelCall,
+        items: list[RequestItem],
+        prompt: list[int],
+        api: ModelApi,
     ) -> CompletionReply:
-        resolution = await self.ledger.resolve(key, call.messages)
+        resolution = await self.ledger.resolve(key, items)
         admission = _admission(key, ticket.model_call_id, resolution)
         if admission is None:
             if resolution.reason == "rollout_retired":
@@ -276,7 +287,7 @@ class PolicyServer:
             reply = await self._call_worker(prompt, call.max_tokens, admission)
         if admission is not None:
             content = decode(reply.token_ids)
-            await self._record(key, ticket, call, content, admission, resolution, reply, api)
+            await self._record(key, ticket, items, content, admission, resolution, reply, api)
         return reply
 
     async def _call_worker(
@@ -289,7 +300,7 @@ class PolicyServer:
         self,
         key: str,
         ticket: ModelTicket,
-        call: ModelCall,
+        items: list[RequestItem],
         content: str,
         admission: CaptureAdmission,
         resolution: LineageResolution,
@@ -307,7 +318,7 @@ class PolicyServer:
             custody_commit(
                 key,
                 ticket,
-                call.messages,
+                items,
                 content,
                 admission,
                 resolution,

@@ -123,3 +123,30 @@ def test_click_s_own_usage_errors_are_one_line_and_exit_2(args: list[str]) -> No
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error: ") and "--help" in lines[0]
+
+
+def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(tmp_path: Path) -> None:
+    args = ["bench", "hotpath", "--json", "--rollouts", "3", "--calls", "3", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["calls"] == 9 and payload["fsync"] == "stubbed"
+    steps = {row["step"]: row for row in payload["steps"]}
+    assert list(steps) == ["admit", "resolve", "worker_codec", "record", "egress"]
+    assert sum(row["cpu_us_per_call"] for row in steps.values()) == pytest.approx(
+        payload["cpu_us_per_call"], abs=0.1
+    )
+    assert sum(row["share"] for row in steps.values()) == pytest.approx(1.0, abs=0.01)
+    assert payload["floor_cpu_us_per_call"] > 0
+    assert payload["ratio"] == pytest.approx(
+        payload["cpu_us_per_call"] / payload["floor_cpu_us_per_call"], rel=0.01
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_hotpath_table_names_the_steps_and_the_floor(tmp_path: Path) -> None:
+    args = ["bench", "hotpath", "--rollouts", "2", "--calls", "2", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    for word in ("admit", "resolve", "record", "egress", "floor"):
+        assert word in result.output

@@ -55,14 +55,17 @@ def register(app: typer.Typer) -> None:
                     f"{row['ratio']:.2f}x",
                 )
             console.print(table)
-            record = next(row for row in payload["operations"] if row["operation"] == "record")
-            console.print(
-                "record's floor through one event loop -> thread -> event loop round trip per "
-                f"call: {record['floor_via_thread_us_per_rollout']:.1f} µs / rollout (the "
-                f"round trips: {record['hop_us_per_rollout']:.1f}); record is "
-                f"{record['ratio_to_floor_via_thread']:.2f}x that. Blocking file work may not "
-                "run on the event loop, so every record pays such a round trip."
-            )
+            for row in payload["operations"]:
+                if "floor_via_thread_us_per_rollout" not in row:
+                    continue
+                name = row["operation"]
+                console.print(
+                    f"{name}'s floor through one event loop -> thread -> event loop round trip "
+                    f"per call: {row['floor_via_thread_us_per_rollout']:.1f} µs / rollout (the "
+                    f"round trips: {row['hop_us_per_rollout']:.1f}); {name} is "
+                    f"{row['ratio_to_floor_via_thread']:.2f}x that. Blocking file work may not "
+                    f"run on the event loop, so every {name} pays such a round trip."
+                )
 
         emit(payload, as_json=as_json, render=render)
 

@@ -484,17 +484,20 @@ class FileCaptureLedger:
         """
         encoded = encode_ledger_batch(ledgers)
         doomed = doomed_keys(os.listdir(self.root), list(encoded))
-        # One hold per stripe for the whole batch (D273). Within a stripe the doomed files go
-        # before the new ledgers are written: a target's own old files are doomed too.
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-        for stripe, group in self._locks.by_stripe(dict.fromkeys([*doomed, *encoded])).items():
+        # Every doomed file goes before any ledger is written (D51); each phase holds each
+        # stripe once for the whole batch instead of once per key (D273).
+        for stripe, group in self._locks.by_stripe(doomed).items():
             with self._locks.hold_stripe(stripe):
                 for key in group:
                     self._cache.pop(key)
-                    for suffix in doomed.get(key, ()):
+                    for suffix in doomed[key]:
                         unlink_if_present(self._path(key, suffix))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        for stripe, group in self._locks.by_stripe(encoded).items():
+            with self._locks.hold_stripe(stripe):
                 for key in group:
-                    data = encoded.get(key)
+                    self._cache.pop(key)
+                    data = encoded[key]
                     if not data:
                         continue
                     fd = os.open(self._path(key, LEDGER_SUFFIX), flags, 0o644)

@@ -4,10 +4,11 @@ A floor does the same system calls on the same file names as the ledger (open, w
 create, unlink, directory fsync) with everything else taken away: no locking, no JSON, no
 models, no worker thread. The ratio says what the ledger's bookkeeping costs on top of the disk.
 
-Sequential ``record`` also gets a third figure: its floor's system calls, row by row, sent
-through one bare event loop → thread → event loop round trip (``_ThreadHop``). The ledger may not
-do blocking file work on the event loop, so that round trip is part of any ``record``; the
-difference to the floor (``hop_us_per_rollout``) shows how much of the ratio it accounts for.
+Sequential ``record`` and ``manifest`` also get a third figure: their floor's system calls, call
+by call, sent through one bare event loop → thread → event loop round trip (``_ThreadHop``). The
+ledger may not do blocking file work on the event loop, so that round trip is part of any
+``record`` or ``manifest``; the difference to the floor (``hop_us_per_rollout``) shows how much of
+the ratio it accounts for.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
 OPERATIONS = ("record", "record_concurrent", "manifest", "retire", "delete", "import_rows_many")
 IN_FLIGHT = 64
 """Rollouts recording at once in the ``record_concurrent`` row."""
+VIA_THREAD = ("record", "manifest")
+"""Rows that also show their floor sent through one thread round trip per call (D189, D260)."""
 
 
 def _hex(*parts: object) -> str:
@@ -239,7 +242,7 @@ def run_ledger_bench(
     # Ours and the floor alternate chunk by chunk, so both see the same disk weather.
     ours_s = dict.fromkeys(OPERATIONS, 0.0)
     floor_s = dict.fromkeys(OPERATIONS, 0.0)
-    via_thread_s = 0.0
+    via_thread_s = dict.fromkeys(VIA_THREAD, 0.0)
     floor_via_thread = _Floor(directory / "floor-via-thread")
     hop = _ThreadHop()
 
@@ -250,7 +253,6 @@ def run_ledger_bench(
         bare: Callable[[list[str]], None],
         bare_via_thread: Callable[[list[str]], Awaitable[None]] | None = None,
     ) -> None:
-        nonlocal via_thread_s
         for chunk in chunks:
             start = time.perf_counter()
             await ours(chunk)
@@ -261,7 +263,7 @@ def run_ledger_bench(
             if bare_via_thread is not None:
                 start = time.perf_counter()
                 await bare_via_thread(chunk)
-                via_thread_s += time.perf_counter() - start
+                via_thread_s[name] += time.perf_counter() - start
 
     async def record_chunk(chunk: list[str], into: FileCaptureLedger | None = None) -> None:
         for key in chunk:
@@ -311,8 +313,14 @@ def run_ledger_bench(
             for key in chunk:
                 await cold.manifest(key)
 
+        async def manifest_floor_via_thread(chunk: list[str]) -> None:
+            # The floor-via-thread directory holds the same ledgers: its record floor wrote them.
+            await hop.run(partial(floor_via_thread.manifest, chunk))
+
         try:
-            await alternate("manifest", singles, manifest_chunk, floor.manifest)
+            await alternate(
+                "manifest", singles, manifest_chunk, floor.manifest, manifest_floor_via_thread
+            )
         finally:
             cold.close()
         await alternate("retire", batches, ledger.retire, lambda c: floor.retire([c]))
@@ -348,14 +356,13 @@ def run_ledger_bench(
                 "ratio": round(ours / bare, 3) if bare > 0 else None,
             }
         )
-        if name == "record":
+        if name in VIA_THREAD:
             # Beside the ratio, never instead of it: the floor stays the bare system calls.
+            via = via_thread_s[name]
             operations[-1] |= {
-                "floor_via_thread_us_per_rollout": round(via_thread_s / rollouts * 1e6, 2),
-                "hop_us_per_rollout": round((via_thread_s - bare) / rollouts * 1e6, 2),
-                "ratio_to_floor_via_thread": (
-                    round(ours / via_thread_s, 3) if via_thread_s > 0 else None
-                ),
+                "floor_via_thread_us_per_rollout": round(via / rollouts * 1e6, 2),
+                "hop_us_per_rollout": round((via - bare) / rollouts * 1e6, 2),
+                "ratio_to_floor_via_thread": round(ours / via, 3) if via > 0 else None,
             }
     return {
         "rollouts": rollouts,

@@ -58,7 +58,10 @@ from protocols import (
     InvalidRequestError,
     LineageResolution,
     MidflightError,
+    RequestItem,
+    RequestItems,
     StaleAttemptError,
+    as_request_items,
     conversation_digest,
     decode,
     encode,
@@ -184,7 +187,10 @@ class PolicyServer:
         except ValueError as exc:  # a framing byte or a character outside Latin-1
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
-        ticket.request_digest = conversation_digest(call.messages)
+        # Validated once: the digest, the lineage matcher and the custody row all read the
+        # items, and each would validate the plain dicts again (D261).
+        items = as_request_items(call.messages)
+        ticket.request_digest = conversation_digest(items)
         ticket.restart_reason = generation_cut_restart_reason(call.constraints)
         gate = self.participant.gate
         if key is not None:
@@ -207,7 +213,7 @@ class PolicyServer:
                     reply = await self._call_worker(prompt, call.max_tokens, None)
                     ticket.backend = self.worker_url  # never cut: it belongs to no episode
                 else:
-                    reply = await self._generate(key, ticket, call, prompt, api)
+                    reply = await self._generate(key, ticket, call, items, prompt, api)
                 content = decode(reply.token_ids)
                 body = api.render(
                     ModelReply(
@@ -248,9 +254,15 @@ class PolicyServer:
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 
     async def _generate(
-        self, key: str, ticket: ModelTicket, call: ModelCall, prompt: list[int], api: ModelApi
+        self,
+        key: str,
+        ticket: ModelTicket,
+        call: ModelCall,
+        items: list[RequestItem],
+        prompt: list[int],
+        api: ModelApi,
     ) -> CompletionReply:
-        resolution = await self.ledger.resolve(key, call.messages)
+        resolution = await self.ledger.resolve(key, items)
         admission = _admission(key, ticket.model_call_id, resolution)
         if admission is None:
             if resolution.reason == "rollout_retired":
@@ -279,7 +291,7 @@ class PolicyServer:
             reply = await self._call_worker(prompt, call.max_tokens, admission)
         if admission is not None:
             content = decode(reply.token_ids)
-            await self._record(key, ticket, call, content, admission, resolution, reply, api)
+            await self._record(key, ticket, items, content, admission, resolution, reply, api)
         return reply
 
     async def _call_worker(
@@ -292,7 +304,7 @@ class PolicyServer:
         self,
         key: str,
         ticket: ModelTicket,
-        call: ModelCall,
+        items: list[RequestItem],
         content: str,
         admission: CaptureAdmission,
         resolution: LineageResolution,
@@ -306,39 +318,62 @@ class PolicyServer:
                 key, ticket.model_call_id, reason or "worker_capture_failed"
             )
             return
-        # A staged disposition guarantees these (CommitCoords validates it).
-        assert coords.staging_key is not None
-        assert coords.digest is not None
-        assert coords.extras_digest is not None
-        assert coords.chain_hash is not None
-        assert coords.cumulative_hash is not None
-        parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
-        record = CallRecord(
-            model_call_id=ticket.model_call_id,
-            parent_call_id=coords.parent_call_id,
-            staging_key=coords.staging_key,
-            weight_version=coords.weight_version,
-            prev_len=coords.prev_len,
-            delta_len=coords.delta_len,
-            cum_len=coords.cum_len,
-            digest=coords.digest,
-            extras_digest=coords.extras_digest,
-            mode=admission.mode,
-            admitted_at=ticket.admitted_at,
-            chain_hash=coords.chain_hash,
-            cumulative_hash=coords.cumulative_hash,
-            response_id=api.response_id(ticket.model_call_id),
-            fingerprint_version=FINGERPRINT_VERSION,
-        )
         await self.ledger.record(
-            CaptureLedgerCommit(
-                rollout_id=key,
-                record=record,
-                staging_chain=(*parent_chain, coords.staging_key),
-                request_items=call.messages,
-                response_items=[{"role": "assistant", "content": content}],
+            custody_commit(
+                key,
+                ticket,
+                items,
+                content,
+                admission,
+                resolution,
+                coords,
+                api.response_id(ticket.model_call_id),
             )
         )
+
+
+def custody_commit(
+    key: str,
+    ticket: ModelTicket,
+    messages: RequestItems,
+    content: str,
+    admission: CaptureAdmission,
+    resolution: LineageResolution,
+    coords: CommitCoords,
+    response_id: str,
+) -> CaptureLedgerCommit:
+    """What ``record`` receives for a call the worker staged (``coords`` checked already)."""
+    # A staged disposition guarantees these (CommitCoords validates it).
+    assert coords.staging_key is not None
+    assert coords.digest is not None
+    assert coords.extras_digest is not None
+    assert coords.chain_hash is not None
+    assert coords.cumulative_hash is not None
+    parent_chain = resolution.match.staging_chain if resolution.match is not None else ()
+    record = CallRecord(
+        model_call_id=ticket.model_call_id,
+        parent_call_id=coords.parent_call_id,
+        staging_key=coords.staging_key,
+        weight_version=coords.weight_version,
+        prev_len=coords.prev_len,
+        delta_len=coords.delta_len,
+        cum_len=coords.cum_len,
+        digest=coords.digest,
+        extras_digest=coords.extras_digest,
+        mode=admission.mode,
+        admitted_at=ticket.admitted_at,
+        chain_hash=coords.chain_hash,
+        cumulative_hash=coords.cumulative_hash,
+        response_id=response_id,
+        fingerprint_version=FINGERPRINT_VERSION,
+    )
+    return CaptureLedgerCommit(
+        rollout_id=key,
+        record=record,
+        staging_chain=(*parent_chain, coords.staging_key),
+        request_items=messages,
+        response_items=[{"role": "assistant", "content": content}],
+    )
 
 
 def _admission(key: str, call_id: str, resolution: LineageResolution) -> CaptureAdmission | None:

@@ -59,6 +59,11 @@ class RowCache:
         self._rows = 0
         self._guard = threading.Lock()
 
+    def __contains__(self, key: object) -> bool:
+        """Whether ``key`` has an entry (without marking it used)."""
+        with self._guard:
+            return key in self._entries
+
     def get(self, key: str) -> CachedLedger | None:
         """The entry of ``key`` (marked recently used), or ``None``."""
         with self._guard:

@@ -24,6 +24,14 @@ CAPTURE_FILE_SUFFIXES: Final = (
 """Every per-key file a dead execution can leave; lock files are stripes, never per key."""
 
 _ATTEMPT: Final = re.compile(r"^(.+)-a([1-9][0-9]*)$")
+_CAPTURE_NAME: Final = re.compile(
+    r"(.+?)(?:-a([1-9][0-9]*))?("
+    + "|".join(re.escape(suffix) for suffix in CAPTURE_FILE_SUFFIXES)
+    + ")"
+)
+"""A capture file's name: rollout, attempt (absent for 0) and suffix, as ``split_attempt`` and
+``CAPTURE_FILE_SUFFIXES`` read them (the shortest rollout that leaves an attempt and a suffix
+is the longest key prefix ``split_attempt`` would strip, since both stop at the last ``-a<N>``)."""
 
 
 def split_attempt(key: str) -> tuple[str, int]:
@@ -91,21 +99,23 @@ def doomed_keys(names: Iterable[str], targets: Iterable[str]) -> dict[str, list[
     target's or later. Look-alikes (``r1-a2`` or ``r-a1x-a3`` for target ``r``) are other
     rollouts and are left alone.
     """
-    files: dict[str, list[str]] = {}
-    for name in names:
-        for suffix in CAPTURE_FILE_SUFFIXES:
-            if name.endswith(suffix) and len(name) > len(suffix):
-                files.setdefault(name[: -len(suffix)], []).append(suffix)
-                break
     floors: dict[str, int] = {}
     for target in targets:
         rollout, attempt = split_attempt(target)
         floors[rollout] = min(attempt, floors.get(rollout, attempt))
     doomed: dict[str, list[str]] = {}
-    for key, suffixes in files.items():
-        rollout, attempt = split_attempt(key)
-        if rollout in floors and attempt >= floors[rollout]:
-            doomed[key] = suffixes
+    # One regular expression per name: the directory holds every ledger of the server, so this
+    # loop runs over far more names than the batch has targets (D258).
+    match = _CAPTURE_NAME.fullmatch
+    for name in names:
+        parsed = match(name)
+        if parsed is None:
+            continue
+        name_rollout, digits, suffix = parsed.groups()
+        floor = floors.get(name_rollout)
+        if floor is not None and (0 if digits is None else int(digits)) >= floor:
+            key = name[: -len(suffix)]
+            doomed.setdefault(key, []).append(suffix)
     return doomed
 
 

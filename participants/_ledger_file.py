@@ -66,6 +66,20 @@ RETIRE_STEPS: Final = ("fences_synced", "ledgers_removed")
 _RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
 
 
+def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
+    """The rows of whole ledger lines in ``data`` and how many bytes they take.
+
+    A torn last line (a crash mid-write) is left out. The lines are parsed as one JSON array:
+    an encoded row never holds a raw newline (``encode_row`` escapes it), so the array is the
+    rows in order, and one decoder call costs less than one per line.
+    """
+    complete = data.rfind(b"\n") + 1
+    if complete == 0:
+        return [], 0
+    rows: list[dict[str, Any]] = json.loads(b"[" + data[: complete - 1].replace(b"\n", b",") + b"]")
+    return rows, complete
+
+
 class FileCaptureLedger:
     """A capture ledger in one directory, safe for many threads and processes.
 
@@ -134,11 +148,10 @@ class FileCaptureLedger:
         if entry is None or entry.inode != status.st_ino or entry.offset > status.st_size:
             entry = _Cached(inode=status.st_ino, offset=0)
         if entry.offset < status.st_size:
-            data = os.pread(fd, status.st_size - entry.offset, entry.offset)
-            complete = data.rfind(b"\n") + 1  # a torn last line (a crash mid-write) is ignored
-            for line in data[:complete].splitlines():
-                entry.add(json.loads(line))
-            entry.offset += complete
+            rows, consumed = _parse_lines(os.pread(fd, status.st_size - entry.offset, entry.offset))
+            for row in rows:
+                entry.add(row)
+            entry.offset += consumed
             self._cache.store(key, entry)
         return entry
 
@@ -150,6 +163,25 @@ class FileCaptureLedger:
             return None
         try:
             return self._refresh(key, fd).rows
+        finally:
+            os.close(fd)
+
+    def _rows_read_through(self, key: str) -> list[dict[str, Any]] | None:
+        """``_rows_locked`` for reads that append nothing (manifest, has_rows, export).
+
+        A cached ledger is refreshed as usual; an uncached one is parsed and *not* stored: a
+        rollout this process did not serve is read once at its end (its manifest, its export)
+        and would only push the ledgers it is serving out of the bounded cache (D256).
+        """
+        if key in self._cache:
+            return self._rows_locked(key)
+        try:
+            fd = os.open(self._path(key, LEDGER_SUFFIX), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            return _parse_lines(os.pread(fd, size, 0) if size else b"")[0]
         finally:
             os.close(fd)
 
@@ -275,7 +307,7 @@ class FileCaptureLedger:
         with self._locks.hold(key):
             if self._fenced(key):
                 raise RolloutRetiredError(f"the capture ledger of {key!r} is retired")
-            return list(self._rows_locked(key) or ())
+            return list(self._rows_read_through(key) or ())
 
     async def manifest(self, rollout_id: str) -> RolloutManifest:
         """The manifest of ``rollout_id``; empty when it has no ledger.
@@ -319,7 +351,7 @@ class FileCaptureLedger:
         """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""
         key = validate_ledger_key(rollout_id)
         with self._locks.hold(key):
-            return copy.deepcopy(self._rows_locked(key) or [])
+            return copy.deepcopy(self._rows_read_through(key) or [])
 
     # -- removal ------------------------------------------------------------------------------
 
@@ -451,23 +483,28 @@ class FileCaptureLedger:
             ValueError: A row is malformed; nothing changed.
         """
         encoded = encode_ledger_batch(ledgers)
-        names = os.listdir(self.root)
-        for key, suffixes in doomed_keys(names, list(encoded)).items():
-            with self._locks.hold(key):
-                self._cache.pop(key)
-                for suffix in suffixes:
-                    unlink_if_present(self._path(key, suffix))
-        for key, data in encoded.items():
-            if not data:
-                continue
-            with self._locks.hold(key):
-                flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
-                fd = os.open(self._path(key, LEDGER_SUFFIX), flags, 0o644)
-                try:
-                    write_all(fd, data)
-                finally:
-                    os.close(fd)
-                self._cache.pop(key)
+        doomed = doomed_keys(os.listdir(self.root), list(encoded))
+        # Every doomed file goes before any ledger is written (D51); each phase holds each
+        # stripe once for the whole batch instead of once per key (D258).
+        for stripe, group in self._locks.by_stripe(doomed).items():
+            with self._locks.hold_stripe(stripe):
+                for key in group:
+                    self._cache.pop(key)
+                    for suffix in doomed[key]:
+                        unlink_if_present(self._path(key, suffix))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        for stripe, group in self._locks.by_stripe(encoded).items():
+            with self._locks.hold_stripe(stripe):
+                for key in group:
+                    self._cache.pop(key)
+                    data = encoded[key]
+                    if not data:
+                        continue
+                    fd = os.open(self._path(key, LEDGER_SUFFIX), flags, 0o644)
+                    try:
+                        write_all(fd, data)
+                    finally:
+                        os.close(fd)
         self._sync_root()  # one sync makes every removal and new name of the batch durable
 
     def close(self) -> None:

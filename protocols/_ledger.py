@@ -259,26 +259,32 @@ class RolloutManifest(BaseModel):
 
 
 def manifest_from_rows(rollout_id: str, rows: Iterable[Mapping[str, Any]]) -> RolloutManifest:
-    """Build a manifest from ledger rows; lineage-only rows are skipped."""
-    records: list[CallRecord] = []
-    failures: list[ManifestFailure] = []
+    """Build a manifest from ledger rows; lineage-only rows are skipped.
+
+    The records and failures are collected as plain dicts and validated in one call, the
+    manifest's own schema checking every ``CallRecord`` (D257).
+    """
+    records: list[dict[str, Any]] = []
+    failures: list[dict[str, Any]] = []
     for row in rows:
         call_id = str(row.get("model_call_id"))
         if "failure_reason" in row:
-            failures.append(ManifestFailure(model_call_id=call_id, reason=row["failure_reason"]))
+            failures.append({"model_call_id": call_id, "reason": row["failure_reason"]})
         elif "cumulative_token_ids" in row:
             continue
         elif not row.get("response_id"):
             failures.append(
-                ManifestFailure(model_call_id=call_id, reason=LEDGER_ROW_MISSING_RESPONSE_ID_REASON)
+                {"model_call_id": call_id, "reason": LEDGER_ROW_MISSING_RESPONSE_ID_REASON}
             )
         elif not row.get("chain_hash") or not row.get("cumulative_hash"):
             failures.append(
-                ManifestFailure(model_call_id=call_id, reason=LEDGER_ROW_MISSING_CHAIN_HASH_REASON)
+                {"model_call_id": call_id, "reason": LEDGER_ROW_MISSING_CHAIN_HASH_REASON}
             )
         else:
-            records.append(_call_record(row))
-    return RolloutManifest(rollout_id=rollout_id, records=records, failures=failures)
+            records.append(_call_record_fields(row))
+    return RolloutManifest.model_validate(
+        {"rollout_id": rollout_id, "records": records, "failures": failures}
+    )
 
 
 _ROW_ONLY_FIELDS: Final = frozenset(
@@ -296,10 +302,10 @@ _ROW_ONLY_FIELDS: Final = frozenset(
 )
 
 
-def _call_record(row: Mapping[str, Any]) -> CallRecord:
+def _call_record_fields(row: Mapping[str, Any]) -> dict[str, Any]:
     fields = {key: value for key, value in row.items() if key not in _ROW_ONLY_FIELDS}
     fields["digest"] = row["staging_digest"]
-    return CallRecord.model_validate(fields)
+    return fields
 
 
 class RolloutRemoval(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from functools import partial
@@ -45,3 +46,28 @@ async def test_the_floor_via_the_thread_writes_what_the_bare_floor_writes(tmp_pa
     assert names == ["k.lineage.jsonl"] == sorted(os.listdir(tmp_path / "via"))
     assert (tmp_path / "via" / names[0]).read_bytes() == b"".join(lines)
     assert (tmp_path / "bare" / names[0]).read_bytes() == b"".join(lines)
+
+
+async def test_the_hot_path_bench_captures_every_call_with_fsync_stubbed_only_inside(
+    tmp_path: Path,
+) -> None:
+    from e2e._bench_hotpath import fsync_stubbed, run_hotpath_bench
+
+    real = os.fsync
+    with fsync_stubbed():
+        assert os.fsync is not real
+    assert os.fsync is real
+    payload = await anyio.to_thread.run_sync(
+        partial(run_hotpath_bench, tmp_path, rollouts=2, calls=3)
+    )
+    assert os.fsync is real
+    assert payload["calls"] == 6
+    # The steps really ran the server's capture: one custody row per call, chained.
+    for key in ("rollout-0", "rollout-1"):
+        lines = (tmp_path / "ledger" / f"{key}.lineage.jsonl").read_bytes().splitlines()
+        rows = [json.loads(line) for line in lines]
+        assert [row["mode"] for row in rows] == ["text", "token_in", "token_in"]
+        assert [row["parent_call_id"] for row in rows[1:]] == [
+            rows[0]["model_call_id"],
+            rows[1]["model_call_id"],
+        ]

@@ -75,19 +75,20 @@ def test_bench_ledger_json_lists_every_operation_beside_its_floor(tmp_path: Path
     for row in operations.values():
         assert row["us_per_rollout"] > 0 and row["floor_us_per_rollout"] > 0
         assert row["ratio"] > 0
-    # Sequential record also shows its floor through the event loop -> thread round trip; the
-    # ratio keeps its meaning (ours / the bare floor).
-    record = operations.pop("record")
-    assert record["ratio"] == pytest.approx(
-        record["us_per_rollout"] / record["floor_us_per_rollout"], rel=0.01
-    )
-    assert record["floor_via_thread_us_per_rollout"] > 0
-    assert record["hop_us_per_rollout"] == pytest.approx(
-        record["floor_via_thread_us_per_rollout"] - record["floor_us_per_rollout"], abs=0.02
-    )
-    assert record["ratio_to_floor_via_thread"] == pytest.approx(
-        record["us_per_rollout"] / record["floor_via_thread_us_per_rollout"], rel=0.01
-    )
+    # Sequential record and manifest also show their floor through the event loop -> thread
+    # round trip; the ratio keeps its meaning (ours / the bare floor).
+    for name in ("record", "manifest"):
+        row = operations.pop(name)
+        assert row["ratio"] == pytest.approx(
+            row["us_per_rollout"] / row["floor_us_per_rollout"], rel=0.01
+        )
+        assert row["floor_via_thread_us_per_rollout"] > 0
+        assert row["hop_us_per_rollout"] == pytest.approx(
+            row["floor_via_thread_us_per_rollout"] - row["floor_us_per_rollout"], abs=0.02
+        )
+        assert row["ratio_to_floor_via_thread"] == pytest.approx(
+            row["us_per_rollout"] / row["floor_via_thread_us_per_rollout"], rel=0.01
+        )
     assert all("hop_us_per_rollout" not in row for row in operations.values())
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
 
@@ -97,6 +98,7 @@ def test_bench_ledger_table_notes_the_thread_round_trip(tmp_path: Path) -> None:
     result = runner.invoke(build_app(), args)
     assert result.exit_code == 0, result.output
     assert "record" in result.output and "round trip" in result.output
+    assert "every manifest pays" in result.output
 
 
 @pytest.mark.parametrize("command", [["status"], ["drill"], ["restore"], ["serve", "worker"]])
@@ -123,3 +125,30 @@ def test_click_s_own_usage_errors_are_one_line_and_exit_2(args: list[str]) -> No
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error: ") and "--help" in lines[0]
+
+
+def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(tmp_path: Path) -> None:
+    args = ["bench", "hotpath", "--json", "--rollouts", "3", "--calls", "3", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["calls"] == 9 and payload["fsync"] == "stubbed"
+    steps = {row["step"]: row for row in payload["steps"]}
+    assert list(steps) == ["admit", "resolve", "worker_codec", "record", "egress"]
+    assert sum(row["cpu_us_per_call"] for row in steps.values()) == pytest.approx(
+        payload["cpu_us_per_call"], abs=0.1
+    )
+    assert sum(row["share"] for row in steps.values()) == pytest.approx(1.0, abs=0.01)
+    assert payload["floor_cpu_us_per_call"] > 0
+    assert payload["ratio"] == pytest.approx(
+        payload["cpu_us_per_call"] / payload["floor_cpu_us_per_call"], rel=0.01
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_hotpath_table_names_the_steps_and_the_floor(tmp_path: Path) -> None:
+    args = ["bench", "hotpath", "--rollouts", "2", "--calls", "2", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    for word in ("admit", "resolve", "record", "egress", "floor"):
+        assert word in result.output

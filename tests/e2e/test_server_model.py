@@ -282,3 +282,26 @@ async def test_a_call_waiting_at_admission_when_its_attempt_is_retired_gets_stal
     assert [
         e for e in read_policy_evidence(tmp_path, event="admit") if e["capture_key"] == "r1-a1"
     ] == []
+
+
+async def test_a_call_validates_its_conversation_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # D261: the request digest, the lineage matcher and the custody row share one validation.
+    from protocols import RequestItem
+
+    async with policy(tmp_path) as (client, _app):
+        messages = await conversation(client, "r1", 2)
+        real = RequestItem.model_validate.__func__  # type: ignore[attr-defined]
+        validated: list[Any] = []
+
+        def counting(cls: type[RequestItem], obj: Any, *args: Any, **kwargs: Any) -> Any:
+            validated.append(obj)
+            return real(cls, obj, *args, **kwargs)
+
+        monkeypatch.setattr(RequestItem, "model_validate", classmethod(counting))
+        content_of(await chat(client, "r1", messages))
+        monkeypatch.undo()
+        manifest = (await client.get(MANIFEST.format("r1"), headers=AUTH)).json()
+    assert validated == messages
+    assert len(manifest["records"]) == 3  # and the call was still captured, chained

@@ -8,9 +8,12 @@ from typing import Any
 
 import anyio
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from participants import FileCaptureLedger, MemoryCaptureLedger
+from participants._ledger_common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
 from protocols import (
     CaptureLedger,
     InvalidRolloutIdError,
@@ -254,3 +257,39 @@ async def test_retire_and_delete_leave_no_cached_rows(ledger: Ledger) -> None:
     await ledger.retire([f"k{i}" for i in range(5)])
     await ledger.delete([f"k{i}" for i in range(5, 10)])
     assert ledger.cache_sizes() == {"ledger_rollouts": 0, "ledger_rows": 0}
+
+
+_SUFFIXES = st.sampled_from((*CAPTURE_FILE_SUFFIXES, ".other", ".lineage.jsonl.tmp", ""))
+_KEY_PART = st.one_of(
+    st.tuples(
+        st.sampled_from(["r", "r1", "r-a1x", "s", "r-a0", "a.b"]),
+        st.sampled_from(["", "-a1", "-a2", "-a3", "-a10", "-a01", "-a2-a3"]),
+    ).map("".join),
+    st.text(alphabet="ra1-0x.", min_size=1, max_size=8),
+)
+
+
+@given(
+    names=st.lists(st.tuples(_KEY_PART, _SUFFIXES).map("".join), max_size=30),
+    targets=st.lists(_KEY_PART, min_size=1, max_size=4),
+)
+def test_doomed_keys_reads_every_name_as_split_attempt_and_the_suffixes_do(
+    names: list[str], targets: list[str]
+) -> None:
+    # D258: the one regular expression must agree with the plain reading it replaced.
+    expected: dict[str, list[str]] = {}
+    floors: dict[str, int] = {}
+    for target in targets:
+        rollout, attempt = split_attempt(target)
+        floors[rollout] = min(attempt, floors.get(rollout, attempt))
+    for name in names:
+        suffix = next(
+            (s for s in CAPTURE_FILE_SUFFIXES if name.endswith(s) and len(name) > len(s)), None
+        )
+        if suffix is None:
+            continue
+        key = name[: -len(suffix)]
+        rollout, attempt = split_attempt(key)
+        if rollout in floors and attempt >= floors[rollout]:
+            expected.setdefault(key, []).append(suffix)
+    assert doomed_keys(names, targets) == expected

@@ -238,3 +238,49 @@ async def test_the_longest_key_gets_every_capture_file(ledger: FileCaptureLedger
     assert await ledger.mark_started(key)
     assert (await ledger.retire([key])).removed == [key]
     assert (ledger.root / f"{key}.lineage.retired").exists()
+
+
+async def test_a_read_of_an_uncached_ledger_does_not_fill_the_cache(tmp_path: Path) -> None:
+    # D256: a manifest, has_rows or export of a ledger this process does not cache reads it
+    # whole and leaves the bounded cache to the ledgers the process is serving.
+    writer = FileCaptureLedger(tmp_path)
+    reader = FileCaptureLedger(tmp_path)
+    try:
+        for turn in range(3):
+            await writer.record(commit("r", turn))
+        await reader.record(commit("mine", 0))
+        before = reader.cache_sizes()
+        assert [c.model_call_id for c in (await reader.manifest("r")).records] == [
+            "call-0",
+            "call-1",
+            "call-2",
+        ]
+        assert await reader.has_rows("r")
+        assert len(reader.export_rows("r")) == 3
+        assert reader.cache_sizes() == before == {"ledger_rollouts": 1, "ledger_rows": 1}
+        # A cached ledger is still refreshed with what another process appended since.
+        await writer.record(commit("mine", 1, call_id="c1-elsewhere"))
+        assert [row["model_call_id"] for row in reader.export_rows("mine")] == [
+            "call-0",
+            "c1-elsewhere",
+        ]
+        assert reader.cache_sizes() == {"ledger_rollouts": 1, "ledger_rows": 2}
+    finally:
+        writer.close()
+        reader.close()
+
+
+async def test_a_torn_last_line_is_left_out_of_every_read(tmp_path: Path) -> None:
+    ledger = FileCaptureLedger(tmp_path)
+    try:
+        await ledger.record(commit("r", 0))
+        path = tmp_path / "r.lineage.jsonl"
+        path.write_bytes(path.read_bytes() + b'{"model_call_id":"call-1","fing')  # a torn write
+        assert len(ledger.export_rows("r")) == 1
+        other = FileCaptureLedger(tmp_path)  # nothing cached: the read-through path
+        try:
+            assert [c.model_call_id for c in (await other.manifest("r")).records] == ["call-0"]
+        finally:
+            other.close()
+    finally:
+        ledger.close()

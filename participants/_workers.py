@@ -368,8 +368,12 @@ class WorkerCoordinator(BaseParticipant):
         records: dict[str, Record] = {}
         for pid in sorted(replies):
             for record in replies[pid]:
-                # Unclaimed restored records are held by every worker: carry each one once.
-                key = json.dumps(record.get("episode_id"), sort_keys=True)
+                # Unclaimed restored records are held by every worker: carry each one once. The
+                # key is the whole record, not its episode: one episode may hold several records
+                # (a resources episode restored before its first boundary seeds a second session
+                # beside the restored one), and keeping only the first lost the session the
+                # episode went on with (five rollouts of `drill --rollouts 1000 --workers 2`).
+                key = json.dumps(record, sort_keys=True)
                 records.setdefault(key, record)
         return list(records.values())
 

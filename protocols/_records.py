@@ -69,6 +69,11 @@ def is_records_file_name(name: str) -> bool:
     return _RECORDS_FILE.fullmatch(name) is not None
 
 
+_RECORD_ENCODER: Final = json.JSONEncoder(allow_nan=False)
+"""``json.dumps`` with a non-default option builds a new encoder per call; a commit of thousands
+of records encodes them with this one."""
+
+
 def encode_record_line(record: Mapping[str, Any]) -> bytes:
     """One records-file line: default ``json.dumps`` spacing, non-ASCII escaped, then ``\\n``.
 
@@ -78,7 +83,7 @@ def encode_record_line(record: Mapping[str, Any]) -> bytes:
         ValueError: The record holds a non-finite number or something that is not JSON.
         TypeError: The record holds a value JSON cannot encode.
     """
-    return json.dumps(record, allow_nan=False).encode("ascii") + b"\n"
+    return _RECORD_ENCODER.encode(record).encode("ascii") + b"\n"
 
 
 def decode_record_line(line: bytes) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -358,3 +359,22 @@ async def test_a_restore_still_missing_a_worker_at_its_deadline_is_retryable(
         with pytest.raises(CheckpointCoordinatorUnavailableError, match=r"slot \[0\]") as caught:
             await made.coordinator.install([], [])
         assert caught.value.retryable
+
+
+async def test_two_records_of_one_episode_are_both_exported(tmp_path: Path) -> None:
+    async with server(tmp_path) as made:
+        a = await made.join(101, 0)
+        await made.join(102, 1)
+        episode = EpisodeId(rollout_id="r1", attempt=1)
+        held = [
+            {"episode_id": episode.model_dump(), "session_id": "s-restored", "step": 0},
+            {"episode_id": episode.model_dump(), "session_id": "s-seeded", "step": 1},
+        ]
+
+        async def export(episode_ids: Any) -> list[dict[str, Any]]:
+            return [dict(record) for record in held]
+
+        a.fake.export = export  # type: ignore[method-assign]
+        await made.coordinator.close_admission(request())
+        records = await made.coordinator.export(None)
+        assert sorted(r["session_id"] for r in records) == ["s-restored", "s-seeded"]

@@ -36,10 +36,11 @@ from protocols import (
 
 from ._checkpoint_root import participant_path
 from ._clock import wait_until
+from ._collector import collector_paused
 from ._jobs import Job
-from ._participant import Record
+from ._participant import Participant, Record
 from ._restore_batch import RestoreScope
-from ._storage import RecordsWriter, read_participant_checkpoint
+from ._storage import ParticipantCheckpoint, RecordsWriter, read_participant_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -78,6 +79,20 @@ def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
             episode = record_episode(record, index)  # raises with the record's index
         keys.append(scope.next_attempt(episode).capture_key)
     return sorted(keys)
+
+
+def _read_paused(directory: Path, **options: Any) -> ParticipantCheckpoint:
+    # The parsed records all stay alive until the install: no garbage to collect (D262).
+    with collector_paused():
+        return read_participant_checkpoint(directory, **options)
+
+
+async def _install_paused(
+    participant: Participant, records: list[Record], scope: RestoreScope
+) -> None:
+    # Installing builds state that lives on; the collector would traverse it again and again.
+    with collector_paused():
+        await participant.install(records, scope)
 
 
 @dataclass(eq=False)
@@ -307,7 +322,7 @@ class RestoreProcedure:
             self._refuse_live_process()
         share = await anyio.to_thread.run_sync(
             functools.partial(
-                read_participant_checkpoint,
+                _read_paused,
                 own,
                 kind=participant.kind,
                 instance=participant.instance,
@@ -333,7 +348,7 @@ class RestoreProcedure:
             job = Job.start(
                 plane.task_group,
                 f"install of restore {request.checkpoint_id!r}",
-                functools.partial(participant.install, records, scope),
+                functools.partial(_install_paused, participant, records, scope),
             )
             self._install = job
             self._install_owner = request.checkpoint_id

@@ -4,7 +4,9 @@ crash and a restore with nothing lost.
 It climbs a ladder of sizes; at each one it runs the whole crash-restore cycle with
 ``finish=True`` (every restored rollout runs to its end) and stops at the first size that loses
 anything, fails, or would outlast the time budget judged from the previous rung. The report names
-the largest clean size and what stopped the climb.
+the largest clean size and what stopped the climb. Every rung carries the restore's cost per
+rollout (``us_per_rollout``) and the whole cycle's (``wall_us_per_rollout``); ``slopes`` gives both
+between consecutive rungs (microseconds per added rollout).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Any, Final
 import anyio
 
 from ._bench_common import PARKING
+from ._bench_growth import add_growth, us_per_rollout
+from ._bench_growth import slopes as slopes_of
 from ._bench_restore import crash_restore_cycle
 
 LADDER: Final = (1000, 4000, 16_000, 50_000)
@@ -81,6 +85,10 @@ def run_scale_bench(
             limited_by = f"{rollouts} rollouts lost {row['lost']}"
             break
     clean = [r["rollouts"] for r in rungs if "error" not in r and r.get("lost") == 0]
+    measured = [r for r in rungs if "error" not in r]
+    slopes = add_growth(measured, "restore_s")
+    for rung in measured:
+        rung["wall_us_per_rollout"] = us_per_rollout(rung["wall_s"], rung["rollouts"])
     return {
         "suite": "scale",
         "parking": PARKING,
@@ -88,4 +96,5 @@ def run_scale_bench(
         "limited_by": limited_by,
         "budget_s": budget_s,
         "rungs": rungs,
+        "slopes": slopes + slopes_of(measured, "wall_s"),
     }

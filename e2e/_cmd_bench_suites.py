@@ -55,6 +55,15 @@ def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[s
     console.print(table)
 
 
+def _print_slopes(slopes: Sequence[dict[str, Any]]) -> None:
+    for entry in slopes:
+        console.print(
+            f"slope of {entry['figure']} from {entry['from']:,} to {entry['to']:,} rollouts: "
+            f"{entry['us_per_added_rollout']:.4g} µs per added rollout; per-rollout cost "
+            f"x{entry['per_rollout_ratio']} (1.0 is linear)"
+        )
+
+
 def _run(
     suite: str,
     measure: Callable[[Path, Callable[[], AbstractContextManager[Any]] | None], dict[str, Any]],
@@ -234,8 +243,11 @@ def add_suite_commands(bench: typer.Typer) -> None:
                     ("restore_s", "restore s"),
                     ("floor_s", "floor s"),
                     ("ratio", "ratio"),
+                    ("us_per_rollout", "µs / rollout"),
+                    ("slope_us_per_added_rollout", "slope µs / added rollout"),
                 ],
             )
+            _print_slopes(payload["slopes"])
             console.print(f"floor: {payload['floor']}")
 
         emit(payload, as_json=as_json, render=render)
@@ -275,10 +287,13 @@ def add_suite_commands(bench: typer.Typer) -> None:
                     ("lost", "lost"),
                     ("pause_s", "pause s"),
                     ("restore_s", "restore s"),
+                    ("us_per_rollout", "restore µs / rollout"),
                     ("wall_s", "wall s"),
+                    ("wall_us_per_rollout", "wall µs / rollout"),
                     ("peak_rss_mb", "peak RSS MB"),
                 ],
             )
+            _print_slopes(payload["slopes"])
             console.print(
                 f"largest clean: {payload['largest_clean']}; limited by: {payload['limited_by']}"
             )

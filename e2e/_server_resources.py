@@ -25,7 +25,7 @@ from typing import Annotated, Any, Final, Literal
 import anyio
 from fastapi import Cookie, FastAPI, Response
 from prometheus_client import CollectorRegistry, Counter, Gauge
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from participants import (
     ControlPlane,
@@ -104,6 +104,9 @@ class CounterState(_Strict):
     notes: list[Annotated[int, Field(ge=0, lt=COUNTER_MODULUS)]]
 
 
+_COUNTER_STATES: TypeAdapter[dict[str, CounterState]] = TypeAdapter(dict[str, CounterState])
+
+
 @dataclass
 class _Counter:
     value: int = 1
@@ -147,12 +150,11 @@ class CounterSessions:
         Raises:
             InvalidCheckpointStateError: A state is not a counter; nothing was installed.
         """
-        parsed: dict[str, CounterState] = {}
-        for sid, state in states.items():
-            try:
-                parsed[sid] = CounterState.model_validate(state)
-            except ValidationError as exc:
-                raise InvalidCheckpointStateError(f"session {sid!r}: {exc}") from None
+        try:
+            parsed = _COUNTER_STATES.validate_python(dict(states))  # one call for the batch
+        except ValidationError as exc:
+            sid = exc.errors()[0]["loc"][0]
+            raise InvalidCheckpointStateError(f"session {sid!r}: {exc}") from None
         for sid, counter in parsed.items():
             self.counters[sid] = _Counter(counter.value, list(counter.notes))
 

@@ -33,15 +33,16 @@ from protocols import (
 
 from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
 from ._agent_session import (
+    AGENT_SESSION_STATES,
     AgentPeers,
     AgentSession,
-    AgentSessionState,
     AgentTaskInput,
     BoundaryKind,
     choose_tool,
 )
 from ._participant import BaseParticipant, Record
 from ._report import build_report
+from ._restore_batch import RestoreScope, validate_batch
 
 
 class AgentParticipant(BaseParticipant):
@@ -330,11 +331,11 @@ class AgentParticipant(BaseParticipant):
             InvalidCheckpointStateError: A record is malformed.
         """
         self._refuse_live_sessions()
-        restored: dict[str, RestoredAgentSession] = {}
+        indexed = RestoreScope.of(scope)
+        sources: list[EpisodeId] = []
         for index, record in enumerate(records):
             try:
-                source = EpisodeId.model_validate(record.get("episode_id"))
-                state = AgentSessionState.model_validate(record.get("session"))
+                source = indexed.episode(record.get("episode_id"))
             except (ValidationError, AttributeError) as exc:
                 raise InvalidCheckpointStateError(
                     f"agent record {index} is invalid: {str(exc)[:500]}"
@@ -343,7 +344,14 @@ class AgentParticipant(BaseParticipant):
                 raise InvalidCheckpointStateError(
                     f"agent record {index}: session_key does not match {source.capture_key}"
                 )
-            replacement = source.next_attempt()
+            sources.append(source)
+        # Every session state in one validation call (D265); the first bad one is named.
+        states = validate_batch(
+            AGENT_SESSION_STATES, [record.get("session") for record in records], "agent record"
+        )
+        restored: dict[str, RestoredAgentSession] = {}
+        for source, state in zip(sources, states, strict=True):
+            replacement = indexed.next_attempt(source)
             if replacement.capture_key in restored:
                 raise InvalidCheckpointStateError(f"{source.capture_key} is recorded twice")
             restored[replacement.capture_key] = RestoredAgentSession(

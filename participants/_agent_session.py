@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, Literal, Protocol
 
 import anyio
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
 
 from protocols import MAX_COMPLETION_TOKENS, EpisodeId
 
@@ -86,6 +86,10 @@ class AgentSessionState(BaseModel):
         if (self.stored_reply is None) != (self.completed_activation == 0):
             raise ValueError("stored_reply must be present exactly when an activation completed")
         return self
+
+
+AGENT_SESSION_STATES: TypeAdapter[list[AgentSessionState]] = TypeAdapter(list[AgentSessionState])
+"""A whole restore's session states, validated in one call (D265)."""
 
 
 class AgentPeers(Protocol):

@@ -20,7 +20,6 @@ from typing import Any
 import anyio
 import structlog
 from anyio.abc import TaskGroup
-from pydantic import ValidationError
 
 from protocols import (
     AdmissionClosedError,
@@ -28,7 +27,6 @@ from protocols import (
     CheckpointRequest,
     DeadlineExceededError,
     EpisodeId,
-    InvalidCheckpointStateError,
     MidflightError,
     ParticipantKind,
     PrepareReport,
@@ -39,6 +37,7 @@ from protocols import (
 from ._clock import Clock, SystemClock
 from ._environment_types import (
     BOUNDARY_ADAPTER,
+    ENVIRONMENT_RECORDS,
     Boundary,
     BoundaryCommon,
     EnvironmentPeers,
@@ -52,6 +51,7 @@ from ._episode_deadline import EpisodeDeadline
 from ._episode_steps import EpisodeSteps, StepMode, TrackedEpisode
 from ._participant import BaseParticipant, Record
 from ._report import build_report
+from ._restore_batch import RestoreScope, validate_batch
 
 _log = structlog.get_logger("midflight.environment")
 
@@ -333,15 +333,10 @@ class EnvironmentParticipant(BaseParticipant):
         """
         if self.steps.episodes or self.restored:
             raise CheckpointError("restore requires a process without live episodes")
+        indexed = RestoreScope.of(scope)
         replacements: dict[str, EnvironmentRecord] = {}
-        for index, raw in enumerate(records):
-            try:
-                record = EnvironmentRecord.model_validate(raw)
-            except ValidationError as exc:
-                raise InvalidCheckpointStateError(
-                    f"environment record {index} is malformed: {exc.errors()[:3]}"
-                ) from exc
-            replacement = record.episode_id.next_attempt()
+        for record in validate_batch(ENVIRONMENT_RECORDS, records, "environment record"):
+            replacement = indexed.next_attempt(record.episode_id)
             replacements[replacement.capture_key] = record.model_copy(
                 update={"episode_id": replacement}
             )

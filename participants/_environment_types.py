@@ -64,6 +64,10 @@ class EnvironmentRecord(BaseModel):
     boundary: Boundary | None
 
 
+ENVIRONMENT_RECORDS: TypeAdapter[list[EnvironmentRecord]] = TypeAdapter(list[EnvironmentRecord])
+"""A whole restore's environment records, validated in one call (D265)."""
+
+
 @dataclass(frozen=True)
 class SeededSession:
     """What the resources server answered to a seed.

@@ -18,7 +18,7 @@ from prometheus_client.registry import Collector
 
 DEFAULT_MAX_CACHED_ROLLOUTS: Final = 65_536
 """Ledgers the cache may hold: a policy server carries tens of thousands of rollouts in flight, and
-a checkpoint exports every one of them (D2XX); the row bound below is what bounds memory."""
+a checkpoint exports every one of them (D269); the row bound below is what bounds memory."""
 DEFAULT_MAX_CACHED_ROWS: Final = 262_144
 
 

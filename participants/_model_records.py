@@ -12,14 +12,16 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from pydantic import TypeAdapter, ValidationError
+
 from protocols import (
     EpisodeId,
     GenerationCutRecord,
     InvalidCheckpointStateError,
-    capture_key,
 )
 
 from ._participant import Record
+from ._restore_batch import RestoreScope
 
 MODEL_RECORD_FIELDS: Final = frozenset({"episode_id", "rows", "generation_cuts"})
 
@@ -42,8 +44,13 @@ def stamp_carried_rows(
 
 
 def attempt_keys_through(episode: EpisodeId) -> list[str]:
-    """Capture keys of attempts ``0..episode.attempt`` of the rollout."""
-    return [capture_key(episode.rollout_id, n) for n in range(episode.attempt + 1)]
+    """Capture keys of attempts ``0..episode.attempt`` of the rollout.
+
+    ``episode`` is valid, so its keys are formatted as ``EpisodeId.capture_key`` does rather than
+    validated once more per attempt.
+    """
+    rollout = episode.rollout_id
+    return [rollout, *(f"{rollout}-a{n}" for n in range(1, episode.attempt + 1))]
 
 
 def checked_restore(
@@ -51,35 +58,47 @@ def checked_restore(
 ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, GenerationCutRecord]]:
     """The ledgers to import and the restored cuts, both by next-attempt capture key.
 
+    The records are checked as one batch: episode ids against the scope's index, every cut
+    through one ``TypeAdapter`` call (D264, D265).
+
     Raises:
         InvalidCheckpointStateError: A record is malformed or outside the scope (nothing changed).
     """
-    wanted = {episode.capture_key: episode for episode in scope}
+    indexed = RestoreScope.of(scope)
     ledgers: dict[str, list[dict[str, Any]]] = {
-        episode.next_attempt().capture_key: [] for episode in scope
+        indexed.next_attempt(episode).capture_key: [] for episode in indexed
     }
+    sources = [_checked_record(record, index, indexed) for index, record in enumerate(records)]
+    with_cut = [index for index, record in enumerate(records) if record["generation_cuts"]]
+    try:
+        checked = _CUTS.validate_python([records[i]["generation_cuts"][0] for i in with_cut])
+    except ValidationError as exc:
+        first = exc.errors()[0]["loc"][0]
+        raise InvalidCheckpointStateError(
+            f"model record {with_cut[int(first)]} holds a malformed generation cut"
+        ) from None
     cuts: dict[str, GenerationCutRecord] = {}
-    for index, record in enumerate(records):
-        source, cut = _checked_record(record, index, wanted)
-        target = source.next_attempt().capture_key
+    for index, cut in zip(with_cut, checked, strict=True):
+        cuts[indexed.next_attempt(sources[index]).capture_key] = cut
+    for source, record in zip(sources, records, strict=True):
+        target = indexed.next_attempt(source).capture_key
         ledgers[target] = stamp_carried_rows(source, record["rows"])
-        if cut is not None:
-            cuts[target] = cut
     return ledgers, cuts
 
 
-def _checked_record(
-    record: Record, index: int, wanted: Mapping[str, EpisodeId]
-) -> tuple[EpisodeId, GenerationCutRecord | None]:
+_CUTS: TypeAdapter[list[GenerationCutRecord]] = TypeAdapter(list[GenerationCutRecord])
+
+
+def _checked_record(record: Record, index: int, scope: RestoreScope) -> EpisodeId:
     if not isinstance(record, Mapping) or set(record) != MODEL_RECORD_FIELDS:
         raise InvalidCheckpointStateError(
             f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
         )
     try:
-        source = EpisodeId.model_validate(record["episode_id"])
+        source = scope.episode(record["episode_id"])
     except ValueError:
         raise InvalidCheckpointStateError(f"model record {index} has no valid episode_id") from None
-    if source.capture_key not in wanted:
+    if source not in scope:
         raise InvalidCheckpointStateError(f"model record {index} is outside the restore scope")
     rows = record["rows"]
     if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
@@ -87,13 +106,7 @@ def _checked_record(
     cuts = record["generation_cuts"]
     if not isinstance(cuts, list) or len(cuts) > 1:
         raise InvalidCheckpointStateError(f"model record {index}: at most one generation cut")
-    try:
-        cut = GenerationCutRecord.model_validate(cuts[0]) if cuts else None
-    except ValueError:
-        raise InvalidCheckpointStateError(
-            f"model record {index} holds a malformed generation cut"
-        ) from None
-    return source, cut
+    return source
 
 
 def model_commit_reply(records: Sequence[Record]) -> dict[str, Any]:

@@ -361,7 +361,7 @@ class ResourcesParticipant(BaseParticipant):
             raise CheckpointError("restore needs a resources server that has not served sessions")
         if records and self.mode != "exported":
             raise CheckpointError(f"a {self.mode} resources server cannot restore session state")
-        bound, states = parse_session_records(records)
+        bound, states = parse_session_records(records, scope)
         if states:
             await self.hooks.restore_session_states(states)
         for session_id, episode in bound.items():

@@ -10,6 +10,8 @@ from pydantic import ValidationError
 
 from protocols import EpisodeId, InvalidCheckpointStateError
 
+from ._restore_batch import RestoreScope
+
 ResourcesMode = Literal["exported", "stateless", "restart_only"]
 """How a server's sessions survive a checkpoint: exported state, nothing needed, or a restart."""
 VerifyMode = Literal["wait", "replay"]
@@ -71,13 +73,17 @@ class ResourcesAdmission:
 
 
 def parse_session_records(
-    records: Sequence[Mapping[str, Any]],
+    records: Sequence[Mapping[str, Any]], scope: Sequence[EpisodeId] = ()
 ) -> tuple[dict[str, EpisodeId], dict[str, Any]]:
     """Validate exported session records: (session id → next attempt, session id → state).
+
+    An ``episode_id`` naming an attempt of ``scope`` (the restore's, validated already) is
+    looked up rather than validated again (D264).
 
     Raises:
         InvalidCheckpointStateError: A record is malformed or two name the same session.
     """
+    indexed = RestoreScope.of(scope)
     bound: dict[str, EpisodeId] = {}
     states: dict[str, Any] = {}
     for index, record in enumerate(records):
@@ -87,9 +93,9 @@ def parse_session_records(
         if not session_id or session_id in bound:
             raise InvalidCheckpointStateError(f"record {index}: bad or repeated session id")
         try:
-            episode = EpisodeId.model_validate(record["episode_id"])
+            episode = indexed.episode(record["episode_id"])
         except ValidationError as exc:
             raise InvalidCheckpointStateError(f"record {index}: {exc}") from None
-        bound[session_id] = episode.next_attempt()
+        bound[session_id] = indexed.next_attempt(episode)
         states[session_id] = record["state"]
     return bound, states

@@ -36,9 +36,11 @@ from protocols import (
 
 from ._checkpoint_root import participant_path
 from ._clock import wait_until
+from ._collector import collector_paused
 from ._jobs import Job
-from ._participant import Record
-from ._storage import RecordsWriter, read_participant_checkpoint
+from ._participant import Participant, Record
+from ._restore_batch import RestoreScope
+from ._storage import ParticipantCheckpoint, RecordsWriter, read_participant_checkpoint
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -60,11 +62,37 @@ def record_episode(record: Any, index: int) -> EpisodeId:
         ) from None
 
 
-def _in_scope(wanted: frozenset[str], record: dict[str, Any]) -> bool:
+def _in_scope(scope: RestoreScope, record: dict[str, Any]) -> bool:
     try:
-        return EpisodeId.model_validate(record["episode_id"]).capture_key in wanted
+        return scope.in_scope(record["episode_id"])
     except (KeyError, TypeError, ValidationError):
         return True  # kept, so that validation refuses the whole restore
+
+
+def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
+    """The sorted capture keys of the next attempts the records install."""
+    keys = []
+    for index, record in enumerate(records):
+        try:
+            episode = scope.episode(record["episode_id"])
+        except (KeyError, TypeError, ValidationError):
+            episode = record_episode(record, index)  # raises with the record's index
+        keys.append(scope.next_attempt(episode).capture_key)
+    return sorted(keys)
+
+
+def _read_paused(directory: Path, **options: Any) -> ParticipantCheckpoint:
+    # The parsed records all stay alive until the install: no garbage to collect (D266).
+    with collector_paused():
+        return read_participant_checkpoint(directory, **options)
+
+
+async def _install_paused(
+    participant: Participant, records: list[Record], scope: RestoreScope
+) -> None:
+    # Installing builds state that lives on; the collector would traverse it again and again.
+    with collector_paused():
+        await participant.install(records, scope)
 
 
 @dataclass(eq=False)
@@ -283,7 +311,7 @@ class RestoreProcedure:
         participant = plane.participant
         request = plane.bounded(request)
         directory, own = participant_path(plane, request.checkpoint_dir)
-        scope = list(request.episode_ids)
+        scope = RestoreScope(request.episode_ids)  # one index, shared by every step below
         scope_keys = sorted_capture_keys(scope)
         args = (str(directory), tuple(scope_keys))
         deadline = request.deadline_ts
@@ -296,18 +324,15 @@ class RestoreProcedure:
             self._refuse_live_process()
         share = await anyio.to_thread.run_sync(
             functools.partial(
-                read_participant_checkpoint,
+                _read_paused,
                 own,
                 kind=participant.kind,
                 instance=participant.instance,
-                select=functools.partial(_in_scope, frozenset(scope_keys)),
+                select=functools.partial(_in_scope, scope),
             )
         )
         records = share.records
-        restored = sorted(
-            record_episode(record, index).next_attempt().capture_key
-            for index, record in enumerate(records)
-        )
+        restored = _restored_keys(records, scope)
         if plane.clock.time() >= deadline:
             raise DeadlineExceededError("the deadline passed while reading the checkpoint")
         await self.wait_for_install(deadline)
@@ -325,7 +350,7 @@ class RestoreProcedure:
             job = Job.start(
                 plane.task_group,
                 f"install of restore {request.checkpoint_id!r}",
-                functools.partial(participant.install, records, scope),
+                functools.partial(_install_paused, participant, records, scope),
             )
             self._install = job
             self._install_owner = request.checkpoint_id

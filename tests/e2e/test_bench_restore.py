@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import gc
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from e2e import build_app
+from e2e._bench_common import InProcessCluster
 from e2e._bench_restore import crash_restore_cycle, read_and_write_floor
 
 runner = CliRunner()
@@ -25,7 +29,47 @@ def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: 
     assert row["rollouts"] == row["parked"] == row["restored"] == 3
     assert row["records_bytes"] > 0 and row["checkpoint_bytes"] >= row["records_bytes"]
     assert row["restore_s"] > 0 and row["floor_s"] > 0 and row["ratio"] > 0
+    assert row["us_per_rollout"] == round(row["restore_s"] / 3 * 1e6, 1)
     assert "read every file" in payload["floor"]
+
+
+def test_bench_restore_reports_the_slope_between_sizes(tmp_path: Path) -> None:
+    result = runner.invoke(
+        build_app(), ["bench", "restore", "--sizes", "2,3", "--json", "--dir", str(tmp_path)]
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    small, large = payload["rows"]
+    (slope,) = payload["slopes"]
+    assert (slope["figure"], slope["from"], slope["to"]) == ("restore_s", 2, 3)
+    added = round((large["restore_s"] - small["restore_s"]) * 1e6, 1)
+    assert slope["us_per_added_rollout"] == large["slope_us_per_added_rollout"] == added
+    assert small["slope_us_per_added_rollout"] is None
+    for key in ("rollouts", "restore_s", "floor_s", "ratio", "us_per_rollout"):
+        assert key in small and key in large
+    table = runner.invoke(
+        build_app(), ["bench", "restore", "--sizes", "2,3", "--dir", str(tmp_path)]
+    )
+    assert table.exit_code == 0, table.output
+    assert "slope of restore_s from 2 to 3 rollouts" in table.stdout
+
+
+@pytest.mark.anyio
+async def test_the_crashed_cluster_is_gone_before_the_restore_is_timed(tmp_path: Path) -> None:
+    alive: list[int] = []
+
+    @contextmanager
+    def census() -> Iterator[None]:
+        # No collection here: the bench must have made the dead cluster unreachable and collected it.
+        alive.append(sum(isinstance(o, InProcessCluster) for o in gc.get_objects()))
+        yield
+
+    gc.disable()  # only the bench's own collection may free the dead cluster
+    try:
+        await crash_restore_cycle(tmp_path, 2, finish=False, profiler=census)
+    finally:
+        gc.enable()
+    assert alive == [1]  # only the fresh cluster: a dead process's memory is gone too
 
 
 @pytest.mark.anyio

@@ -35,4 +35,13 @@ def test_bench_scale_climbs_until_the_budget_and_names_the_limit(tmp_path: Path)
         assert rung["parked"] == rung["restored"] == rung["finished"] == rung["rollouts"]
         assert rung["lost"] == 0
     assert payload["largest_clean"] == 4
+    small, large = payload["rungs"]
+    assert large["us_per_rollout"] == round(large["restore_s"] / 4 * 1e6, 1)
+    assert large["wall_us_per_rollout"] == round(large["wall_s"] / 4 * 1e6, 1)
+    assert [(s["figure"], s["from"], s["to"]) for s in payload["slopes"]] == [
+        ("restore_s", 2, 4),
+        ("wall_s", 2, 4),
+    ]
+    assert small["slope_us_per_added_rollout"] is None
+    assert large["slope_us_per_added_rollout"] == payload["slopes"][0]["us_per_added_rollout"]
     assert payload["limited_by"].startswith("time budget: 1000000 rollouts")

@@ -252,6 +252,22 @@ async def test_install_refuses_two_cuts_in_one_record_and_changes_nothing() -> N
     assert len(model.ledger.export_rows("r1-a1")) == 1
 
 
+async def test_cuts_checked_as_one_batch_go_to_their_own_records_and_a_bad_one_is_named() -> None:
+    _, record = await _restored_with_cut()
+    r2, r3 = EpisodeId(rollout_id="r2"), EpisodeId(rollout_id="r3")
+    plain = {"episode_id": r2.model_dump(), "rows": [], "generation_cuts": []}
+    cut_of_r3 = {**record, "episode_id": r3.model_dump()}
+    model = _model()
+    await model.install([plain, cut_of_r3, record], [R1, r2, r3])
+    assert sorted(model.restored_cuts.records) == ["r1-a1", "r3-a1"]
+    broken = {**record, "generation_cuts": [{**record["generation_cuts"][0], "request_digest": 7}]}
+    model = _model()
+    # The second record with a cut is the bad one; it is record 2 of the batch, not cut 1.
+    with pytest.raises(InvalidCheckpointStateError, match="model record 2 holds a malformed"):
+        await model.install([plain, cut_of_r3, broken], [R1, r2, r3])
+    assert model.restored_pending() == [] and model.restored_cuts.records == {}
+
+
 async def test_a_started_response_blocks_prepare_until_sent_and_new_calls_wait() -> None:
     model = _model(FakeWorker())
     streaming = await _on_worker(model)

@@ -291,6 +291,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
                     ("wall_s", "wall s"),
                     ("wall_us_per_rollout", "wall µs / rollout"),
                     ("peak_rss_mb", "peak RSS MB"),
+                    ("skipped", "not run"),
                 ],
             )
             _print_slopes(payload["slopes"])

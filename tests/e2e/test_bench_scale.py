@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from typer.testing import CliRunner
 
 from e2e import build_app
@@ -30,12 +31,16 @@ def test_bench_scale_climbs_until_the_budget_and_names_the_limit(tmp_path: Path)
     )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
-    assert [rung["rollouts"] for rung in payload["rungs"]] == [2, 4]
-    for rung in payload["rungs"]:
+    assert [rung["rollouts"] for rung in payload["rungs"]] == [2, 4, 1000000]
+    *run, skipped = payload["rungs"]
+    for rung in run:
         assert rung["parked"] == rung["restored"] == rung["finished"] == rung["rollouts"]
         assert rung["lost"] == 0
+    # The size not tried still has its row, naming what ran out.
+    assert skipped["resource"] == "time" and skipped["skipped"].startswith("time budget")
+    assert payload["limited_resource"] == "time"
     assert payload["largest_clean"] == 4
-    small, large = payload["rungs"]
+    small, large = run
     assert large["us_per_rollout"] == round(large["restore_s"] / 4 * 1e6, 1)
     assert large["wall_us_per_rollout"] == round(large["wall_s"] / 4 * 1e6, 1)
     assert [(s["figure"], s["from"], s["to"]) for s in payload["slopes"]] == [
@@ -45,3 +50,24 @@ def test_bench_scale_climbs_until_the_budget_and_names_the_limit(tmp_path: Path)
     assert small["slope_us_per_added_rollout"] is None
     assert large["slope_us_per_added_rollout"] == payload["slopes"][0]["us_per_added_rollout"]
     assert payload["limited_by"].startswith("time budget: 1000000 rollouts")
+
+
+def test_a_rung_that_would_not_fit_in_memory_is_reported_not_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("e2e._bench_scale.available_memory_mb", lambda: 1.0)
+    result = runner.invoke(
+        build_app(),
+        ["bench", "scale", "--ladder", "2,50,200", "--json", "--dir", str(tmp_path)],
+    )
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.stdout)
+    first, memory, later = payload["rungs"]
+    assert first["rollouts"] == 2 and first["lost"] == 0
+    assert memory == {
+        "rollouts": 50,
+        "skipped": memory["skipped"],
+        "resource": "memory",
+    } and memory["skipped"].startswith("memory: 50 rollouts would need about")
+    assert later == {"rollouts": 200, "skipped": "not tried: the climb stopped at 50"}
+    assert payload["limited_resource"] == "memory" and payload["largest_clean"] == 2

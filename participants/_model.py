@@ -11,9 +11,11 @@ ledgers of the attempts it continues, so a late row of the crashed attempt can n
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Any, Final
 
+import anyio
 import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
@@ -266,10 +268,24 @@ class ModelParticipant(BaseParticipant):
         """
         self._refuse_restore_if_served()
         ledgers, cuts = checked_restore(records, scope)  # the whole batch before any change
-        await self._import_ledgers(ledgers)
+        # The import writes attempts N+1 (and wipes later ones), the retire fences attempts
+        # 0..N: disjoint keys, both idempotent, so they run at once (D270). Both finish before
+        # the restore answers; a failure of either fails it, and a retried restore redoes both.
+        failures: list[Exception] = []
+
+        async def run(step: Callable[[], Awaitable[None]]) -> None:
+            try:
+                await step()
+            except Exception as exc:  # raised below as itself, never as an exception group
+                failures.append(exc)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(run, functools.partial(self._import_ledgers, ledgers))
+            group.start_soon(run, functools.partial(self._retire_ledgers, list(scope)))
+        if failures:
+            raise failures[0]
         self.restored_targets = set(ledgers)
         self.restored_cuts.records = cuts
-        await self._retire_ledgers(list(scope))
         self.changes.notify()
 
     async def _import_ledgers(self, ledgers: dict[str, list[dict[str, Any]]]) -> None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import anyio
+import anyio.from_thread
 import anyio.lowlevel
 import pytest
 
@@ -129,6 +131,38 @@ async def test_install_refuses_a_bad_record_and_changes_nothing() -> None:
         await model.install([bad], [R1])
     assert len(ledger.export_rows("r1")) == 1
     assert model.restored_pending() == []
+
+
+async def test_install_imports_and_fences_at_once_and_a_refused_import_is_typed() -> None:
+    model, ledger = await _participant()
+    started: list[str] = []
+    both = anyio.Event()
+    real_import, real_retire = ledger.import_rows_many, ledger.retire
+
+    def importing(ledgers: Any) -> None:
+        started.append("import")
+        anyio.from_thread.run(both.wait)  # returns only once the retire has started too
+        real_import(ledgers)
+
+    async def retiring(keys: Any) -> Any:
+        started.append("retire")
+        both.set()
+        return await real_retire(keys)
+
+    ledger.import_rows_many = importing  # type: ignore[method-assign]
+    ledger.retire = retiring  # type: ignore[method-assign]
+    with anyio.fail_after(10):  # one after the other, the import would wait for ever
+        await model.install([], [R1])
+    assert sorted(started) == ["import", "retire"]
+
+    refusing, refusing_ledger = await _participant()
+
+    def refuse(ledgers: Any) -> None:
+        raise ValueError("a row is malformed")
+
+    refusing_ledger.import_rows_many = refuse  # type: ignore[method-assign]
+    with pytest.raises(CheckpointError, match="refused the restore"):  # itself, not a group
+        await refusing.install([], [R1])
 
 
 async def test_install_is_refused_once_a_call_was_served() -> None:

@@ -47,6 +47,7 @@ from protocols import (
 )
 
 from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from ._collector import collector_paused
 from ._runtime import ControlPlane
 
 _log = structlog.get_logger("midflight.http")
@@ -150,6 +151,11 @@ def authenticated_route_class(token: str) -> type[APIRoute]:
             async def guarded(request: Request) -> Response:
                 if not authorized(request.headers.get("authorization"), token):
                     return error_response(UnauthorizedError("missing or wrong bearer token"))
+                if request.url.path.endswith(BATCH_ROUTES):
+                    # Parsing a scope of thousands of episode ids allocates enough to set off
+                    # full collections of the whole heap before the restore's own pause (D271).
+                    with collector_paused():
+                        return await envelope_errors(handler, request)
                 return await envelope_errors(handler, request)
 
             return guarded
@@ -177,6 +183,10 @@ async def envelope_errors(
         return error_response(
             InternalError(f"{type(exc).__name__} while serving {request.url.path}")
         )
+
+
+BATCH_ROUTES: Final = ("/checkpoint/restore", "/checkpoint/commit")
+"""Control routes whose body names a whole scope: parsed and served with the collector paused."""
 
 
 def control_router(plane: ControlPlane, token: str) -> APIRouter:

@@ -326,3 +326,29 @@ async def test_a_body_under_the_limit_is_served(
         headers={"Authorization": f"Bearer {TOKEN}"},
     )
     assert reply.status_code == 200, reply.text
+
+
+async def test_a_restore_body_is_parsed_and_served_with_the_collector_paused(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    seen: dict[str, bool] = {}
+    real_restore, real_prepare = client.plane.restore, client.plane.prepare
+
+    async def restore(request: Any) -> Any:
+        seen["restore"] = gc.isenabled()  # the body was parsed inside the same pause
+        return await real_restore(request)
+
+    async def prepare(request: Any) -> Any:
+        seen["prepare"] = gc.isenabled()
+        return await real_prepare(request)
+
+    monkeypatch.setattr(client.plane, "restore", restore)
+    monkeypatch.setattr(client.plane, "prepare", prepare)
+    gc.enable()
+    await client.call("restore", {**VALID_BODY["restore"], "checkpoint_dir": str(tmp_path)})
+    await client.call("prepare", VALID_BODY["prepare"])
+    assert seen == {"restore": False, "prepare": True}  # D271: batch routes only
+    await client.call("resume", VALID_BODY["resume"])
+    assert gc.isenabled()  # given back once the request is served

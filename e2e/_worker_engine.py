@@ -1,9 +1,10 @@
 """The deterministic inference worker's engine: decode, stage, serve generation cuts.
 
 Decoding appends one token per ``token_delay_ms`` to the call's buffer on the event loop. A cut
-copies the buffer (decoding goes on), builds and stages a record on a worker thread, and seals it
-only if it became durable within the cut's deadline: the first cut of a call stages the cumulative
-prefix, later cuts stage only what was generated since. A call that finished before the cut arrived
+round takes every listed call's buffer as it stands (decoding goes on), builds and stages the
+records of up to ``CUT_BATCH`` calls at a time as one staging batch on a worker thread, and seals a
+batch only if it became durable within the round's deadline: the first cut of a call stages the
+cumulative prefix, later cuts stage only what was generated since. A call that finished before the cut arrived
 is answered from its completion evidence (a ``terminal_completion`` cut of its staged record).
 """
 

@@ -184,12 +184,12 @@ class PolicyServer:
         episode = None if key is None else EpisodeId.from_capture_key(key)
         try:
             prompt = encode(render_prompt(call.messages))
-        except ValueError as exc:  # a framing byte or a character outside Latin-1
+            # Validated once, and before admission, so a refusal leaves no ticket behind: the
+            # digest, the lineage matcher and the custody row all read the items (D261).
+            items = as_request_items(call.messages)
+        except ValueError as exc:  # a framing byte, a character outside Latin-1, a bad item
             raise InvalidRequestError(f"messages cannot be rendered: {exc}") from None
         ticket = await self.participant.admit(episode)
-        # Validated once: the digest, the lineage matcher and the custody row all read the
-        # items, and each would validate the plain dicts again (D261).
-        items = as_request_items(call.messages)
         ticket.request_digest = conversation_digest(items)
         ticket.restart_reason = generation_cut_restart_reason(call.constraints)
         gate = self.participant.gate

@@ -305,3 +305,20 @@ async def test_a_call_validates_its_conversation_once(
         manifest = (await client.get(MANIFEST.format("r1"), headers=AUTH)).json()
     assert validated == messages
     assert len(manifest["records"]) == 3  # and the call was still captured, chained
+
+
+async def test_a_conversation_that_is_not_request_items_is_refused_before_admission(
+    tmp_path: Path,
+) -> None:
+    from e2e._policy_apis import CHAT_API, ModelCall
+    from protocols import InvalidRequestError
+
+    async with policy(tmp_path) as (_, app):
+        server = app.state.policy
+        # Renders as a prompt, but an unknown key is no request item.
+        message = {"role": "user", "content": "x", "foo": "bar"}
+        call = ModelCall(messages=[message], max_tokens=4, constraints={})
+        with pytest.raises(InvalidRequestError, match="cannot be rendered"):
+            await server.serve("r1", call, CHAT_API)
+        # Nothing was admitted: no ticket left behind, nothing served.
+        assert server.participant.gate.tickets == {} and not server.participant.served

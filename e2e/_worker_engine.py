@@ -24,10 +24,8 @@ import anyio.lowlevel
 import anyio.to_thread
 
 from participants import (
-    ActiveCall,
     CaptureError,
     RolloutTokenCapture,
-    put_entries,
     rebuild_generation_cut,
 )
 from protocols import (
@@ -40,23 +38,21 @@ from protocols import (
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     InvalidRequestError,
-    StagedCallRecord,
     StagedEntry,
     StaleAttemptError,
     TokenStagingStore,
     compute_chain_hash,
     generate_token,
-    generation_cut_staging_key,
 )
 
 from ._evidence import EvidenceLog
+from ._worker_cuts import FINISH_REASON, Finished, LiveCall, cut_batch, terminal_ack
 
 _log = logging.getLogger(__name__)
 
 TOKEN_LOG_PROB: Final = -math.log(37)
 """Every generated token's log-prob: the worker draws uniformly from a 37-token alphabet."""
 TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
-FINISH_REASON: Final = "length"
 UNPACED_TOKENS_PER_YIELD: Final = 64
 """With no token delay, decoding yields to the event loop once per this many tokens, not per
 token: in one process (the benches) each yield resumes the whole environment → agent → model →
@@ -80,54 +76,6 @@ class _EngineAdapter:
 
 
 @dataclass
-class _LiveCall:
-    """A call being decoded, and what its cuts have sealed so far."""
-
-    call: ActiveCall
-    request_prompt: list[int]
-    engine_prompt: list[int]
-    max_tokens: int
-    continued: int
-    generated: list[int] = field(default_factory=list)
-    log_probs: list[float] = field(default_factory=list)
-    staged: list[StagedCallRecord] = field(default_factory=list)
-    staged_keys: list[str] = field(default_factory=list)
-    staged_count: int = 0
-    last_sequence: int = 0
-    sealed_sequence: int = 0
-    cut_lock: anyio.Lock = field(default_factory=anyio.Lock)
-    # Made on the event loop once the call is admitted (_begin runs in a worker thread).
-    scope: anyio.CancelScope | None = None
-    left: anyio.Event | None = None
-
-    @property
-    def capture_key(self) -> str:
-        return self.call.rollout_id
-
-
-@dataclass(frozen=True)
-class _Finished:
-    """Completion evidence of a call, kept for a cut that races its delivery."""
-
-    capture_key: str
-    coords: CommitCoords
-    generated_count: int
-    max_tokens: int
-    finished_at: float
-
-
-@dataclass(frozen=True)
-class _CutPlan:
-    """One call of a cut batch: what it stages (``key`` None: nothing new since its last cut)."""
-
-    prefix: GenerationCutPrefix
-    live: _LiveCall
-    key: str | None
-    count: int
-    sequence: int
-
-
-@dataclass
 class WorkerEngine:
     """State and behaviour of one deterministic worker process.
 
@@ -148,8 +96,8 @@ class WorkerEngine:
     cut_timeout_ms: float = 5000.0
     name: str = "worker"
     clock: Callable[[], float] = time.monotonic
-    live: dict[str, _LiveCall] = field(default_factory=dict)
-    finished: OrderedDict[str, _Finished] = field(default_factory=OrderedDict)
+    live: dict[str, LiveCall] = field(default_factory=dict)
+    finished: OrderedDict[str, Finished] = field(default_factory=OrderedDict)
 
     def __post_init__(self) -> None:
         self.capture = RolloutTokenCapture(self.store, adapter=_EngineAdapter())
@@ -218,7 +166,7 @@ class WorkerEngine:
         )
 
     async def _decode(
-        self, prompt: Sequence[int], start: int, stop: int, live: _LiveCall | None
+        self, prompt: Sequence[int], start: int, stop: int, live: LiveCall | None
     ) -> list[int]:
         tokens = live.generated if live is not None else []
         log_probs = live.log_probs if live is not None else []
@@ -253,7 +201,7 @@ class WorkerEngine:
             _log.info("aborted %d call(s): %s", len(running), sorted(running))
         return list(running)
 
-    def _begin(self, admission: CaptureAdmission, request: CompletionRequest) -> _LiveCall:
+    def _begin(self, admission: CaptureAdmission, request: CompletionRequest) -> LiveCall:
         """Resolve the prefix and the cut, and admit the call (blocking: store reads, hashing)."""
         prompt = list(request.prompt_token_ids)
         prefix = self._fetch_prefix(admission)
@@ -289,7 +237,7 @@ class WorkerEngine:
             continued = snapshot.token_ids_delta[split:]
             if len(continued) > request.max_tokens:
                 raise InvalidRequestError("the generation cut is longer than max_tokens")
-        return _LiveCall(
+        return LiveCall(
             call=call,
             request_prompt=prompt,
             engine_prompt=prompt + continued,
@@ -324,14 +272,14 @@ class WorkerEngine:
             raise InvalidRequestError("the staging chain does not end at the parent's chain hash")
         return prefix
 
-    def _remember_finished(self, live: _LiveCall, coords: CommitCoords) -> None:
+    def _remember_finished(self, live: LiveCall, coords: CommitCoords) -> None:
         now = self.clock()
         while self.finished:
             oldest = next(iter(self.finished.values()))
             if now - oldest.finished_at < TERMINAL_EVIDENCE_SECONDS:
                 break
             self.finished.popitem(last=False)
-        self.finished[live.call.model_call_id] = _Finished(
+        self.finished[live.call.model_call_id] = Finished(
             capture_key=live.capture_key,
             coords=coords,
             generated_count=live.continued + len(live.generated),
@@ -351,11 +299,13 @@ class WorkerEngine:
         """
         prefixes = inventory.active_prefixes
         acks: dict[str, GenerationCutPrefixAck] = {}  # a call without one is a durable_failure
-        running: list[tuple[GenerationCutPrefix, _LiveCall]] = []
+        running: list[tuple[GenerationCutPrefix, LiveCall]] = []
         for prefix in prefixes:
             live = self.live.get(prefix.model_call_id)
             if live is None:
-                acks[prefix.ticket_id] = self._terminal_ack(inventory.checkpoint_id, prefix)
+                acks[prefix.ticket_id] = terminal_ack(
+                    self.finished.get(prefix.model_call_id), inventory.checkpoint_id, prefix
+                )
             elif live.capture_key == prefix.capture_key:
                 running.append((prefix, live))
         with anyio.move_on_after(self.cut_timeout_ms / 1000):
@@ -363,7 +313,11 @@ class WorkerEngine:
                 for start in range(0, len(running), CUT_BATCH):
                     batch = running[start : start + CUT_BATCH]
                     try:
-                        acks.update(await self._cut_batch(inventory.checkpoint_id, batch))
+                        acks.update(
+                            await cut_batch(
+                                self.capture, self.store, inventory.checkpoint_id, batch
+                            )
+                        )
                     except Exception:
                         # A cut is optional: its failure only costs regeneration after a restore.
                         _log.exception("a generation-cut batch of %d call(s) failed", len(batch))
@@ -378,120 +332,6 @@ class WorkerEngine:
                 acks.get(prefix.ticket_id) or GenerationCutPrefixAck.failure(prefix)
                 for prefix in prefixes
             ],
-        )
-
-    async def _cut_batch(
-        self, checkpoint_id: str, batch: list[tuple[GenerationCutPrefix, _LiveCall]]
-    ) -> dict[str, GenerationCutPrefixAck]:
-        """Stage and seal one batch of a round; the acks of its calls."""
-        held: list[_LiveCall] = []
-        try:
-            for _, live in batch:
-                if not live.cut_lock.locked():  # no wait, no yield: thousands are taken at once
-                    live.cut_lock.acquire_nowait()
-                else:
-                    await live.cut_lock.acquire()  # an abort is waiting on this call: take turns
-                held.append(live)
-            plans = []
-            for prefix, live in batch:
-                count = len(live.generated)  # decoding goes on past this point; the cut stops here
-                key = None
-                if not live.staged or count > live.staged_count:
-                    live.last_sequence += 1
-                    key = generation_cut_staging_key(live.call.model_call_id, live.last_sequence)
-                plans.append(_CutPlan(prefix, live, key, count, live.last_sequence))
-            # One hop to a worker thread and one staging batch for the whole batch.
-            staged = await anyio.to_thread.run_sync(
-                self._stage_batch, checkpoint_id, plans, abandon_on_cancel=True
-            )
-            # Reached only if the batch is durable within the deadline: seal it.
-            for plan, (record, _) in zip(plans, staged, strict=True):
-                if record is not None and plan.key is not None:
-                    live = plan.live
-                    live.staged.append(record)
-                    live.staged_keys.append(plan.key)
-                    live.staged_count = plan.count
-                    live.sealed_sequence = plan.sequence
-            return {
-                plan.prefix.ticket_id: ack for plan, (_, ack) in zip(plans, staged, strict=True)
-            }
-        finally:
-            for live in held:
-                live.cut_lock.release()
-
-    def _stage_batch(
-        self, checkpoint_id: str, plans: list[_CutPlan]
-    ) -> list[tuple[StagedCallRecord | None, GenerationCutPrefixAck]]:
-        """Build every new cut record, stage them as one batch, and build every ack (blocking;
-        the calls' cut locks are held, so their staged records cannot change meanwhile)."""
-        built: list[tuple[_CutPlan, StagedCallRecord | None]] = []
-        entries = []
-        for plan in plans:
-            record = None
-            if plan.key is not None:
-                record = self._build_cut_record(plan.live, plan.count)
-                entries.append(StagedEntry(staging_key=plan.key, record=record))
-            built.append((plan, record))
-        put_entries(self.store, entries)
-        results = []
-        for plan, record in built:
-            live = plan.live
-            staged = live.staged if record is None else [*live.staged, record]
-            keys = live.staged_keys if plan.key is None else [*live.staged_keys, plan.key]
-            sealed = live.staged_count if record is None else plan.count
-            sequence = live.sealed_sequence if record is None else plan.sequence
-            snapshot = rebuild_generation_cut(staged)
-            ack = GenerationCutPrefixAck(
-                **plan.prefix.model_dump(),
-                disposition="durable_prefix",
-                cut_kind="active_prefix",
-                frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
-                staging_keys=list(keys),
-                prefix_token_count=live.continued + sealed,
-                prefix_digest=snapshot.digest,
-                effective_output_limit=live.max_tokens,
-            )
-            results.append((record, ack))
-        return results
-
-    def _build_cut_record(self, live: _LiveCall, count: int) -> StagedCallRecord:
-        """The next cut record of a live call: the cumulative prefix first, then chunks."""
-        generated = live.generated[:count]
-        log_probs = live.log_probs[:count]
-        if not live.staged:
-            return self.capture.build_prefix_record(
-                live.call,
-                prompt_token_ids=live.engine_prompt,
-                generated_token_ids=generated,
-                generated_logprobs=log_probs,
-            )
-        return self.capture.build_generation_chunk_record(
-            live.call,
-            staged=live.staged,
-            generated_token_ids=generated[live.staged_count :],
-            generated_logprobs=log_probs[live.staged_count :],
-        )
-
-    def _terminal_ack(
-        self, checkpoint_id: str, prefix: GenerationCutPrefix
-    ) -> GenerationCutPrefixAck:
-        """The ack of a call that finished before the cut: its staged record, if any."""
-        finished = self.finished.get(prefix.model_call_id)
-        if finished is None or finished.capture_key != prefix.capture_key:
-            return GenerationCutPrefixAck.failure(prefix)
-        coords = finished.coords
-        if coords.disposition != "staged" or coords.digest is None or coords.staging_key is None:
-            return GenerationCutPrefixAck.failure(prefix, terminal_finish_reason=FINISH_REASON)
-        return GenerationCutPrefixAck(
-            **prefix.model_dump(),
-            disposition="durable_prefix",
-            cut_kind="terminal_completion",
-            frozen_buffer_id=f"terminal/{checkpoint_id}",
-            staging_keys=[coords.staging_key],
-            prefix_token_count=finished.generated_count,
-            prefix_digest=coords.digest,
-            effective_output_limit=finished.max_tokens,
-            terminal_finish_reason=FINISH_REASON,
         )
 
 

@@ -58,8 +58,9 @@ from ._collector import COLLECTOR_PAUSE
 from ._kill_points import KillPoint
 from ._marks import RetireMarks
 from ._participant import Participant
+from ._restore_procedure import RestoreProcedure
 from ._telemetry import ControlTelemetry
-from ._transfer import CommitProcedure, RestoreProcedure
+from ._transfer import CommitProcedure
 
 R = TypeVar("R", bound=BaseModel)
 Q = TypeVar("Q", bound=CheckpointRequest)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-import participants._transfer as transfer
+import participants._restore_procedure as transfer
 from participants import RecordsWriter
 from participants._collector import pauses_active
 from participants._restore_batch import RestoreScope

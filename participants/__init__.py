@@ -10,92 +10,19 @@ So far: durable writing and verified reading of one participant's share of a che
 the capture ledger (file-backed and in-memory) with its control routes.
 """
 
-from ._agent import AgentParticipant
-from ._agent_hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
-from ._agent_restart_only import RestartOnlyAgentParticipant
-from ._agent_session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput, choose_tool
-from ._body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from ._clock import Clock, ManualClock, SystemClock
-from ._durable import fsync_directory, make_directory_durable, write_file_durably
-from ._environment import EnvironmentParticipant
-from ._environment_types import (
+from ._agent.hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
+from ._agent.participant import AgentParticipant
+from ._agent.restart_only import RestartOnlyAgentParticipant
+from ._agent.session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput, choose_tool
+from ._environment.models import (
     EnvironmentPeers,
     EnvironmentRecord,
     EpisodeOutcome,
     SeededSession,
 )
-from ._episode_steps import EpisodeSteps, TrackedEpisode
-from ._http import (
-    authorized,
-    control_router,
-    describe_validation_error,
-    error_response,
-    error_responses,
-    install_error_envelope,
-    participant_app,
-)
-from ._jobs import Job
-from ._kill_points import (
-    KILL_BOUNDARIES,
-    KILL_FILE_ENV,
-    KILL_POINT_ENV,
-    TEST_HOOKS_ENV,
-    KillPoint,
-    read_kill_announcements,
-)
-from ._ledger_cache import (
-    DEFAULT_MAX_CACHED_ROLLOUTS,
-    DEFAULT_MAX_CACHED_ROWS,
-    LedgerCacheCollector,
-    RowCache,
-)
-from ._ledger_common import CAPTURE_FILE_SUFFIXES
-from ._ledger_file import RETIRE_STEPS, FileCaptureLedger
-from ._ledger_locks import DEFAULT_STRIPES, LOCK_DIRECTORY
-from ._ledger_memory import MemoryCaptureLedger
-from ._ledger_routes import ledger_control_router
-from ._marks import RetireMarks
-from ._model import MODEL_FAULTS, CallAborter, ModelParticipant
-from ._model_cuts import CutRequester, generation_cut_restart_reason
-from ._model_gate import ModelTicket
-from ._model_workers import ModelCoordinator
-from ._participant import BaseParticipant, ChangeNotifier, Participant, Record
-from ._report import build_report
-from ._resources import ResourcesParticipant
-from ._resources_types import (
-    DEFAULT_ADMISSION_WAIT_SECONDS,
-    RESOURCES_MODES,
-    VERIFY_MODES,
-    ResourcesAdmission,
-    ResourcesMode,
-    ResourcesRoute,
-    ResourcesSession,
-    ResourcesSessionHooks,
-    VerifyMode,
-)
-from ._runtime import ControlPlane, ControlSettings
-from ._staging_store import FileTokenStagingStore, put_entries
-from ._storage import (
-    WRITE_STEPS,
-    ParticipantCheckpoint,
-    RecordsWriter,
-    read_participant_checkpoint,
-)
-from ._telemetry import (
-    CONTROL_EVENTS,
-    GENERATION_CUT_OUTCOMES,
-    ControlTelemetry,
-    GenerationCutTelemetry,
-)
-from ._worker_calls import (
-    ActiveCall,
-    CaptureAdapter,
-    CaptureError,
-    RolloutTokenCapture,
-    StreamingUnsupportedError,
-    rebuild_generation_cut,
-)
-from ._worker_channel import (
+from ._environment.participant import EnvironmentParticipant
+from ._environment.steps import EpisodeSteps, TrackedEpisode
+from ._fanout.channel import (
     FRAME_MAX_BYTES,
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
@@ -106,8 +33,81 @@ from ._worker_channel import (
     private_socket_path,
     remove_stale_socket_dirs,
 )
-from ._worker_member import REPORT_POLL_SECONDS, WorkerMember
-from ._workers import Placement, WorkerCoordinator, WorkerState, slot_of
+from ._fanout.group import Placement, WorkerCoordinator, WorkerState, slot_of
+from ._fanout.member import REPORT_POLL_SECONDS, WorkerMember
+from ._http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from ._http.router import (
+    authorized,
+    control_router,
+    describe_validation_error,
+    error_response,
+    error_responses,
+    install_error_envelope,
+    participant_app,
+)
+from ._ledger.cache import (
+    DEFAULT_MAX_CACHED_ROLLOUTS,
+    DEFAULT_MAX_CACHED_ROWS,
+    LedgerCacheCollector,
+    RowCache,
+)
+from ._ledger.common import CAPTURE_FILE_SUFFIXES
+from ._ledger.file import RETIRE_STEPS, FileCaptureLedger
+from ._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
+from ._ledger.memory import MemoryCaptureLedger
+from ._ledger.routes import ledger_control_router
+from ._model.cuts import CutRequester, generation_cut_restart_reason
+from ._model.fanout import ModelCoordinator
+from ._model.gate import ModelTicket
+from ._model.participant import MODEL_FAULTS, CallAborter, ModelParticipant
+from ._resources.models import (
+    DEFAULT_ADMISSION_WAIT_SECONDS,
+    RESOURCES_MODES,
+    VERIFY_MODES,
+    ResourcesAdmission,
+    ResourcesMode,
+    ResourcesRoute,
+    ResourcesSession,
+    ResourcesSessionHooks,
+    VerifyMode,
+)
+from ._resources.participant import ResourcesParticipant
+from ._runtime.clock import Clock, ManualClock, SystemClock
+from ._runtime.jobs import Job
+from ._runtime.kill_points import (
+    KILL_BOUNDARIES,
+    KILL_FILE_ENV,
+    KILL_POINT_ENV,
+    TEST_HOOKS_ENV,
+    KillPoint,
+    read_kill_announcements,
+)
+from ._runtime.marks import RetireMarks
+from ._runtime.participant import BaseParticipant, ChangeNotifier, Participant, Record
+from ._runtime.plane import ControlPlane, ControlSettings
+from ._runtime.report import build_report
+from ._runtime.telemetry import (
+    CONTROL_EVENTS,
+    GENERATION_CUT_OUTCOMES,
+    ControlTelemetry,
+    GenerationCutTelemetry,
+)
+from ._staging.calls import (
+    ActiveCall,
+    CaptureAdapter,
+    CaptureError,
+    RolloutTokenCapture,
+    StreamingUnsupportedError,
+    rebuild_generation_cut,
+)
+from ._staging.store import FileTokenStagingStore, put_entries
+from ._storage.checkpoint_store import (
+    WRITE_STEPS,
+    ParticipantCheckpoint,
+    RecordsWriter,
+    read_participant_checkpoint,
+)
+from ._storage.durable import fsync_directory, make_directory_durable, write_file_durably
 
 __all__ = [
     "CAPTURE_FILE_SUFFIXES",

@@ -66,7 +66,7 @@ async def test_without_a_scope_a_model_that_needs_one_gets_the_environment_expor
         scopes: list[list[EpisodeId]] = []
 
         async def like_the_model(episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
-            if episode_ids is None:  # as participants/_model.py refuses it
+            if episode_ids is None:  # as participants/_model/participant.py refuses it
                 raise CheckpointError("a model commit needs the episode_ids")
             scopes.append(list(episode_ids))
             return [{"episode_id": e.model_dump()} for e in episode_ids]

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from participants._collector import collector_paused, pauses_active
+from participants._runtime.collector import collector_paused, pauses_active
 
 
 @pytest.fixture(autouse=True)

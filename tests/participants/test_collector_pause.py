@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from participants._collector import COLLECTOR_PAUSE, CollectorPause
+from participants._runtime.collector import COLLECTOR_PAUSE, CollectorPause
 from protocols import Phase
 
 from .runtime_support import ep, harness, req

@@ -6,7 +6,7 @@ import anyio
 import pytest
 
 from participants import ManualClock
-from participants._episode_deadline import EpisodeDeadline
+from participants._environment.deadline import EpisodeDeadline
 
 pytestmark = pytest.mark.anyio
 

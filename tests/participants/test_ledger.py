@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from participants import FileCaptureLedger, MemoryCaptureLedger
-from participants._ledger_common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
+from participants._ledger.common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
 from protocols import (
     CaptureLedger,
     InvalidRolloutIdError,

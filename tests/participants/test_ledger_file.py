@@ -191,7 +191,7 @@ async def test_a_torn_last_line_is_ignored(ledger: FileCaptureLedger) -> None:
 
 
 def test_the_row_cache_is_bounded_by_rollouts_and_rows() -> None:
-    from participants._ledger_cache import CachedLedger
+    from participants._ledger.cache import CachedLedger
 
     cache = RowCache(max_rollouts=3, max_rows=10)
     for i in range(5):

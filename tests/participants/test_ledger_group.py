@@ -15,7 +15,7 @@ import anyio
 import pytest
 
 from participants import FileCaptureLedger, MemoryCaptureLedger
-from participants._ledger_group import GroupCommitter, PendingAppend
+from participants._ledger.group import GroupCommitter, PendingAppend
 
 from .ledger_factory import commit
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from participants._marks import RetireMarks
+from participants._runtime.marks import RetireMarks
 from protocols import EpisodeId, StaleAttemptError
 
 

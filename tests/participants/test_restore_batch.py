@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from participants._restore_batch import RestoreScope, validate_batch
+from participants._runtime.restore_batch import RestoreScope, validate_batch
 from protocols import EpisodeId, InvalidCheckpointStateError
 
 R1 = EpisodeId(rollout_id="r1", attempt=1)

@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-import participants._restore_procedure as transfer
+import participants._runtime.restore as transfer
 from participants import RecordsWriter
-from participants._collector import pauses_active
-from participants._restore_batch import RestoreScope
+from participants._runtime.collector import pauses_active
+from participants._runtime.restore_batch import RestoreScope
 from protocols import EpisodeId, InvalidCheckpointStateError, Phase
 
 from .runtime_support import ep, harness, restore_req

@@ -1,0 +1,1 @@
+"""The agent participant: sessions parked at their last boundary, and the restart-only agent."""

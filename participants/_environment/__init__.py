@@ -1,0 +1,1 @@
+"""The environment participant: episodes parked at step boundaries."""

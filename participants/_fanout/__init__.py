@@ -1,0 +1,1 @@
+"""Servers with several worker processes: the fan-out participant, its members and their channel."""

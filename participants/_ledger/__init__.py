@@ -1,0 +1,1 @@
+"""The capture ledger: file-backed and in-memory ledgers, lineage resolution and the ledger control routes."""

@@ -1,0 +1,1 @@
+"""The resources participant: session state exported, stateless or restart-only."""

@@ -1,0 +1,189 @@
+"""Restore: read and verify one participant's share of a checkpoint, then install it whole.
+
+The records are read and installed with the cyclic collector paused (D266), against one scope
+index (D264); a retry of the same restore waits for the same install instead of starting another.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio
+from pydantic import ValidationError
+
+from protocols import (
+    CheckpointConflictError,
+    CheckpointError,
+    DeadlineExceededError,
+    Phase,
+    PhaseEvent,
+    RestoreReply,
+    RestoreRequest,
+    sorted_capture_keys,
+)
+
+from .._storage.checkpoint_root import participant_path
+from .._storage.checkpoint_store import ParticipantCheckpoint, read_participant_checkpoint
+from .clock import wait_until
+from .collector import collector_paused
+from .commit import record_episode
+from .jobs import Job
+from .participant import Participant, Record
+from .restore_batch import RestoreScope
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
+
+
+def _in_scope(scope: RestoreScope, record: dict[str, Any]) -> bool:
+    try:
+        return scope.in_scope(record["episode_id"])
+    except (KeyError, TypeError, ValidationError):
+        return True  # kept, so that validation refuses the whole restore
+
+
+def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
+    """The sorted capture keys of the next attempts the records install."""
+    keys = []
+    for index, record in enumerate(records):
+        try:
+            episode = scope.episode(record["episode_id"])
+        except (KeyError, TypeError, ValidationError):
+            episode = record_episode(record, index)  # raises with the record's index
+        keys.append(scope.next_attempt(episode).capture_key)
+    return sorted(keys)
+
+
+def _read_paused(directory: Path, **options: Any) -> ParticipantCheckpoint:
+    # The parsed records all stay alive until the install: no garbage to collect (D266).
+    with collector_paused():
+        return read_participant_checkpoint(directory, **options)
+
+
+async def _install_paused(
+    participant: Participant, records: list[Record], scope: RestoreScope
+) -> None:
+    # Installing builds state that lives on; the collector would traverse it again and again.
+    with collector_paused():
+        await participant.install(records, scope)
+
+
+class RestoreProcedure:
+    """Restore for one control plane: read and verify, then install everything or nothing."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+        self._install: Job[None] | None = None
+        self._install_owner: str | None = None
+
+    async def wait_for_install(self, deadline: float) -> None:
+        """Wait for an install that outlived its restore call.
+
+        Raises:
+            DeadlineExceededError: It is still running at ``deadline``.
+        """
+        job = self._install
+        if (
+            job is not None
+            and not job.done
+            and not await wait_until(self._plane.clock, deadline, job.wait_done)
+        ):
+            raise DeadlineExceededError("a restore's install is still running; retry")
+
+    async def run(self, request: RestoreRequest) -> RestoreReply:
+        """Run the restore of ``request.checkpoint_id``."""
+        plane = self._plane
+        participant = plane.participant
+        request = plane.bounded(request)
+        directory, own = participant_path(plane, request.checkpoint_dir)
+        scope = RestoreScope(request.episode_ids)  # one index, shared by every step below
+        scope_keys = sorted_capture_keys(scope)
+        args = (str(directory), tuple(scope_keys))
+        deadline = request.deadline_ts
+        async with plane.lock:
+            await plane.expire_lease_if_due()
+            stored = plane.admit(request.checkpoint_id, PhaseEvent.RESTORE, args)
+            if isinstance(stored, RestoreReply):
+                plane.renew_lease(deadline)
+                return stored
+            self._refuse_live_process()
+        share = await anyio.to_thread.run_sync(
+            functools.partial(
+                _read_paused,
+                own,
+                kind=participant.kind,
+                instance=participant.instance,
+                select=functools.partial(_in_scope, scope),
+            )
+        )
+        records = share.records
+        restored = _restored_keys(records, scope)
+        if plane.clock.time() >= deadline:
+            raise DeadlineExceededError("the deadline passed while reading the checkpoint")
+        await self.wait_for_install(deadline)
+        async with plane.lock:
+            plane.admit(request.checkpoint_id, PhaseEvent.RESTORE, args)
+            if plane.checkpoint_id is not None:
+                raise CheckpointConflictError(f"checkpoint {plane.checkpoint_id!r} became active")
+            self._refuse_live_process()
+            await participant.close_admission(request)
+            try:
+                participant.restore_manifest(share.manifest)
+            except BaseException:
+                await participant.open_admission()
+                raise
+            job = Job.start(
+                plane.task_group,
+                f"install of restore {request.checkpoint_id!r}",
+                functools.partial(_install_paused, participant, records, scope),
+            )
+            self._install = job
+            self._install_owner = request.checkpoint_id
+        try:
+            await job.result(plane.clock, deadline)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                async with plane.lock:
+                    if job.done:
+                        await self._reopen_if_owner(request.checkpoint_id)
+                    else:
+                        plane.task_group.start_soon(
+                            self._reopen_after_install, job, request.checkpoint_id
+                        )
+            raise
+        async with plane.lock:
+            plane.checkpoint_id = request.checkpoint_id
+            plane.transition(PhaseEvent.RESTORE)
+            plane.renew_lease(deadline)
+            # Restore fences attempt N: late work of the crashed attempt gets stale_attempt. A
+            # fence is not a retire mark: forget, or a retire that reaches it, ends it (D224).
+            if plane.settings.fence_on_restore:
+                plane.marks.fence(scope)
+                await participant.mark_retired(scope)
+            participant.changes.notify()
+            reply = RestoreReply(
+                phase=Phase.RESTORED,
+                source_checkpoint_id=str(share.manifest["checkpoint_id"]),
+                restored=restored,
+            )
+            return plane.store_result(request.checkpoint_id, PhaseEvent.RESTORE, args, reply)
+
+    def _refuse_live_process(self) -> None:
+        if self._plane.participant.served_live_work():
+            raise CheckpointError(
+                "restore needs a fresh process: this one has already served live work"
+            )
+
+    async def _reopen_if_owner(self, checkpoint_id: str) -> None:
+        plane = self._plane
+        if self._install_owner == checkpoint_id and plane.checkpoint_id is None:
+            await plane.participant.open_admission()
+
+    async def _reopen_after_install(self, job: Job[None], checkpoint_id: str) -> None:
+        await job.wait_done()
+        async with self._plane.lock:
+            await self._reopen_if_owner(checkpoint_id)
+            self._plane.telemetry.event("reopen_after_install", checkpoint_id=checkpoint_id)

@@ -1,0 +1,1 @@
+"""Checkpoint storage: the records and manifest writer and reader, the durable-write helpers, the checkpoint root."""

@@ -1,5 +1,5 @@
 """The reference deployment and the process-level harness, and the ``midflight`` command line."""
 
-from ._cli import build_app, main
+from ._cli.app import build_app, main
 
 __all__ = ["build_app", "main"]

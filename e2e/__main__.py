@@ -1,5 +1,5 @@
 """``python -m e2e`` runs the ``midflight`` command line."""
 
-from ._cli import main
+from ._cli.app import main
 
 main()

@@ -84,8 +84,9 @@ from ._runtime.kill_points import (
 )
 from ._runtime.marks import RetireMarks
 from ._runtime.participant import BaseParticipant, ChangeNotifier, Participant, Record
-from ._runtime.plane import ControlPlane, ControlSettings
+from ._runtime.plane import ControlPlane
 from ._runtime.report import build_report
+from ._runtime.settings import ControlSettings
 from ._runtime.telemetry import (
     CONTROL_EVENTS,
     GENERATION_CUT_OUTCOMES,

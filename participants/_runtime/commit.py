@@ -40,7 +40,7 @@ from .participant import Record
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from .plane import ControlPlane
+    from .procedure import PlaneAccess
 
 
 def record_episode(record: Any, index: int) -> EpisodeId:
@@ -79,7 +79,7 @@ class CommitProcedure:
         on_write_step: Test hook passed to every ``RecordsWriter``.
     """
 
-    def __init__(self, plane: ControlPlane, *, on_write_step: Callable[[str], None] | None) -> None:
+    def __init__(self, plane: PlaneAccess, *, on_write_step: Callable[[str], None] | None) -> None:
         self._plane = plane
         self._on_write_step = on_write_step
         self._current: _Commit | None = None
@@ -89,7 +89,12 @@ class CommitProcedure:
         """Run (or rejoin) the commit of ``request.checkpoint_id``."""
         plane = self._plane
         request = plane.bounded(request)
-        directory, own = participant_path(plane, request.checkpoint_dir)
+        directory, own = participant_path(
+            request.checkpoint_dir,
+            root=plane.settings.checkpoint_root,
+            kind=plane.participant.kind,
+            instance=plane.participant.instance,
+        )
         scope = request.episode_ids
         scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
         args = (str(directory), scope_keys)

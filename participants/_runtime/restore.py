@@ -35,7 +35,7 @@ from .participant import Participant, Record
 from .restore_batch import RestoreScope
 
 if TYPE_CHECKING:
-    from .plane import ControlPlane
+    from .procedure import PlaneAccess
 
 
 def _in_scope(scope: RestoreScope, record: dict[str, Any]) -> bool:
@@ -74,7 +74,7 @@ async def _install_paused(
 class RestoreProcedure:
     """Restore for one control plane: read and verify, then install everything or nothing."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: PlaneAccess) -> None:
         self._plane = plane
         self._install: Job[None] | None = None
         self._install_owner: str | None = None
@@ -98,7 +98,12 @@ class RestoreProcedure:
         plane = self._plane
         participant = plane.participant
         request = plane.bounded(request)
-        directory, own = participant_path(plane, request.checkpoint_dir)
+        directory, own = participant_path(
+            request.checkpoint_dir,
+            root=plane.settings.checkpoint_root,
+            kind=plane.participant.kind,
+            instance=plane.participant.instance,
+        )
         scope = RestoreScope(request.episode_ids)  # one index, shared by every step below
         scope_keys = sorted_capture_keys(scope)
         args = (str(directory), tuple(scope_keys))

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from protocols import InvalidRequestError, participant_directory
-
-if TYPE_CHECKING:
-    from .._runtime.plane import ControlPlane
 
 
 def checkpoint_path(checkpoint_dir: str, root: Path | None = None) -> Path:
@@ -44,17 +40,17 @@ def checkpoint_path(checkpoint_dir: str, root: Path | None = None) -> Path:
     return resolved
 
 
-def participant_path(plane: ControlPlane, checkpoint_dir: str) -> tuple[Path, Path]:
-    """The checkpoint directory of a request and this participant's directory inside it.
+def participant_path(
+    checkpoint_dir: str, *, root: Path | None, kind: str, instance: str
+) -> tuple[Path, Path]:
+    """The checkpoint directory of a request and the participant's directory inside it.
 
-    Both are checked against the plane's checkpoint root: a symlink below the checkpoint
-    directory must not lead out of the root either.
+    Both are checked against the checkpoint root: a symlink below the checkpoint directory must
+    not lead out of the root either.
 
     Raises:
         InvalidRequestError: Either path is relative or leaves the checkpoint root.
     """
-    root = plane.settings.checkpoint_root
     directory = checkpoint_path(checkpoint_dir, root)
-    participant = plane.participant
-    own = Path(participant_directory(directory, participant.kind, participant.instance))
+    own = Path(participant_directory(directory, kind, instance))
     return directory, checkpoint_path(str(own), root)

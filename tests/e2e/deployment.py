@@ -18,12 +18,12 @@ import anyio
 import httpx
 
 from coordinator import Coordinator
-from e2e._cluster import Role, read_cluster
-from e2e._cmd_serve import LEASE_GRACE_ENV
-from e2e._control import ControlSession
-from e2e._server_model import read_policy_evidence
-from e2e._supervisor import ExtraServer, Supervisor, SupervisorOptions
-from e2e._tokens_of import token_sequence
+from e2e._drill.control import ControlSession
+from e2e._drill.tokens_of import token_sequence
+from e2e._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
+from e2e._servers.cluster import Role, read_cluster
+from e2e._servers.context import LEASE_GRACE_ENV
+from e2e._servers.model import read_policy_evidence
 from protocols import CONTROL_PREFIX, EpisodeId, encode, render_prompt
 
 from .agent_fakes import completion, counter_tool_step

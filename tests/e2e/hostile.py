@@ -31,13 +31,13 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_agent import create_agent_app
-from e2e._server_environment import create_environment_app
-from e2e._server_model import create_model_app
-from e2e._server_resources import create_resources_app
-from e2e._worker import WorkerSettings, create_worker_app
+from e2e._servers.agent import create_agent_app
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
+from e2e._servers.environment import create_environment_app
+from e2e._servers.model import create_model_app
+from e2e._servers.resources import create_resources_app
+from e2e._worker.app import WorkerSettings, create_worker_app
 from participants import ControlSettings
 from protocols import ERRORS_BY_CODE
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from e2e._lifeline import Lifeline
+from e2e._launch.lifeline import Lifeline
 
 _LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 

@@ -18,7 +18,7 @@ from typing import Literal, TypeVar
 import httpx
 from pydantic import BaseModel, ConfigDict
 
-from e2e._bench_common import TOKEN, InProcessCluster
+from e2e._bench.common import TOKEN, InProcessCluster
 
 Phase = Literal["idle", "preparing", "prepared", "committed", "restored"]
 Kind = Literal["environment", "model", "agent", "resources"]

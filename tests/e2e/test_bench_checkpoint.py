@@ -8,7 +8,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from e2e import build_app
-from e2e._bench_checkpoint import boundary_wait
+from e2e._bench.checkpoint import boundary_wait
 
 runner = CliRunner()
 ROW_FIELDS = {

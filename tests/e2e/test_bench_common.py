@@ -7,7 +7,7 @@ from pathlib import Path
 
 import structlog
 
-from e2e._bench_common import quiet_logs, write_floor
+from e2e._bench.common import quiet_logs, write_floor
 
 
 def test_quiet_logs_gives_the_previous_logging_back() -> None:

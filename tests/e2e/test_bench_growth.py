@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from e2e._bench_growth import add_growth, slopes, us_per_rollout
+from e2e._bench.growth import add_growth, slopes, us_per_rollout
 
 
 def test_per_rollout_cost_and_slope_between_consecutive_sizes() -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from e2e._bench_ledger import _Floor, _ThreadHop
+from e2e._bench.ledger import _Floor, _ThreadHop
 
 pytestmark = pytest.mark.anyio
 
@@ -51,7 +51,7 @@ async def test_the_floor_via_the_thread_writes_what_the_bare_floor_writes(tmp_pa
 async def test_the_hot_path_bench_captures_every_call_with_fsync_stubbed_only_inside(
     tmp_path: Path,
 ) -> None:
-    from e2e._bench_hotpath import fsync_stubbed, run_hotpath_bench
+    from e2e._bench.hotpath import fsync_stubbed, run_hotpath_bench
 
     real = os.fsync
     with fsync_stubbed():

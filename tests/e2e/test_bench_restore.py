@@ -12,8 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from e2e import build_app
-from e2e._bench_common import InProcessCluster
-from e2e._bench_restore import crash_restore_cycle, read_and_write_floor
+from e2e._bench.common import InProcessCluster
+from e2e._bench.restore import crash_restore_cycle, read_and_write_floor
 
 runner = CliRunner()
 

@@ -55,7 +55,7 @@ def test_bench_scale_climbs_until_the_budget_and_names_the_limit(tmp_path: Path)
 def test_a_rung_that_would_not_fit_in_memory_is_reported_not_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("e2e._bench_scale.available_memory_mb", lambda: 1.0)
+    monkeypatch.setattr("e2e._bench.scale.available_memory_mb", lambda: 1.0)
     result = runner.invoke(
         build_app(),
         ["bench", "scale", "--ladder", "2,50,200", "--json", "--dir", str(tmp_path)],

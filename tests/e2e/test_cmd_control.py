@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator import ControlClient, Coordinator, Member, read_latest
-from e2e._cli import build_app
-from e2e._cluster import Cluster, ServerEntry, write_cluster
+from e2e._cli.app import build_app
+from e2e._servers.cluster import Cluster, ServerEntry, write_cluster
 from participants import ControlPlane, Record, participant_app
 from protocols import CheckpointError, EpisodeId, ParticipantKind, Phase
 from tests.coordinator.deployment import TOKEN, Logged
@@ -291,7 +291,7 @@ async def test_status_watch_json_prints_one_object_per_line_per_refresh(
         if len(sleeps) == 3:
             raise KeyboardInterrupt
 
-    monkeypatch.setattr("e2e._cmd_control.time", SimpleNamespace(sleep=sleep, time=time.time))
+    monkeypatch.setattr("e2e._cli.control.time", SimpleNamespace(sleep=sleep, time=time.time))
     async with served(tmp_path) as s:
         runner = CliRunner()
         result = await anyio.to_thread.run_sync(

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from e2e._cli import build_app
+from e2e._cli.app import build_app
 
 
 @pytest.fixture(autouse=True)
@@ -18,9 +18,9 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         raise AssertionError("the drill started")
 
     for name in (
-        "e2e._cmd_drill.run_drill",
-        "e2e._cmd_matrix.run_matrix",
-        "e2e._sequence_report.run_sequences",
+        "e2e._cli.drill.run_drill",
+        "e2e._cli.drill.run_matrix",
+        "e2e._cli.drill_sequences.run_sequences",
     ):
         monkeypatch.setattr(name, ran)
 

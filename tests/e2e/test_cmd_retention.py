@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coordinator import LATEST_FILE, PINNED_FILE, checkpoint_directory
-from e2e._cli import build_app
+from e2e._cli.app import build_app
 from tests.coordinator.test_publish import _commit_and_publish
 
 pytestmark = pytest.mark.anyio

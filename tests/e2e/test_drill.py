@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from e2e._drill import BASELINE_MARKER, FAULTS
-from e2e._oracle import ERROR_FIGURES
+from e2e._drill.oracle import ERROR_FIGURES
+from e2e._drill.run import BASELINE_MARKER, FAULTS
 
 # A drill is a few dozen seconds on a quiet 2-core machine; a busy one may need several times that.
 pytestmark = [pytest.mark.process, pytest.mark.timeout(420)]

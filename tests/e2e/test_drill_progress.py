@@ -6,7 +6,7 @@ import io
 
 from rich.console import Console
 
-from e2e._drill_progress import DrillProgress, is_progress_line
+from e2e._drill.progress import DrillProgress, is_progress_line
 
 
 def _progress() -> tuple[DrillProgress, io.StringIO]:

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from e2e._cli import build_app
-from e2e._drill import DrillStalledError, DriverProcess, default_concurrency
+from e2e._cli.app import build_app
+from e2e._drill.run import DrillStalledError, DriverProcess, default_concurrency
 
 
 def test_large_drills_run_a_quarter_of_their_rollouts_at_once() -> None:
@@ -75,7 +75,7 @@ def test_a_stalled_drill_is_one_line_and_exit_1(
     def stalled(*args: Any, **kwargs: Any) -> None:
         raise DrillStalledError("the drill's controller did not reach 'done' in phase 0")
 
-    monkeypatch.setattr("e2e._cmd_drill.run_drill", stalled)
+    monkeypatch.setattr("e2e._cli.drill.run_drill", stalled)
     result = CliRunner().invoke(build_app(), ["drill", "--rollouts", "1000", "--json"])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 1 and len(lines) == 1, result.output

@@ -18,9 +18,9 @@ import httpx
 import pytest
 
 from coordinator import PrepareResult
-from e2e._cluster import default_cluster
-from e2e._driver import Driver, DriverPlan
-from e2e._evidence import read_evidence
+from e2e._drill.controller import Driver, DriverPlan
+from e2e._servers.cluster import default_cluster
+from e2e._servers.evidence import read_evidence
 from protocols import EpisodeId
 
 pytestmark = pytest.mark.anyio

@@ -25,8 +25,8 @@ HARNESS = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from e2e._lifeline import terminate_as_interrupt
-    from e2e._supervisor import Supervisor, SupervisorOptions
+    from e2e._launch.lifeline import terminate_as_interrupt
+    from e2e._launch.supervisor import Supervisor, SupervisorOptions
 
     roles = tuple(sys.argv[2].split(","))
     options = SupervisorOptions(roles=roles, role_options={"resources": {"workers": 2}})

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from e2e._oracle import (
+from e2e._drill.oracle import (
     RepeatedCalls,
     RerunWindow,
     calls_by_incarnation,

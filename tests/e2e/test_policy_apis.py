@@ -9,14 +9,14 @@ import anyio
 import httpx
 import pytest
 
-from e2e._policy_apis import (
+from e2e._servers.model import read_policy_evidence
+from e2e._servers.policy_apis import (
     MessagesRequest,
     ResponsesRequest,
     messages_call,
     responses_call,
 )
-from e2e._server_model import read_policy_evidence
-from e2e._worker import read_worker_evidence
+from e2e._worker.app import read_worker_evidence
 from participants import generation_cut_restart_reason
 from tests.e2e.test_server_model import (
     AUTH,

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from e2e._policy_worker import HttpCutRequester, control_root
+from e2e._servers.worker_client import HttpCutRequester, control_root
 from participants import ManualClock, MemoryCaptureLedger, ModelParticipant
 from protocols import CheckpointRequest, EpisodeId
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from e2e._bench_common import InProcessCluster, Workload
-from e2e._tokens_of import token_sequence
+from e2e._bench.common import InProcessCluster, Workload
+from e2e._drill.tokens_of import token_sequence
 
 from .deployment import expected_episode
 from .reference_client import (

@@ -30,7 +30,7 @@ import anyio
 import httpx
 import pytest
 
-from e2e._supervisor import Supervisor
+from e2e._launch.supervisor import Supervisor
 from protocols import CONTROL_PREFIX, EpisodeId
 
 from .deployment import (

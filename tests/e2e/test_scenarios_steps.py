@@ -32,7 +32,7 @@ import anyio
 import httpx
 import pytest
 
-from e2e._supervisor import ExtraServer, Supervisor
+from e2e._launch.supervisor import ExtraServer, Supervisor
 from protocols import EpisodeId
 
 from .deployment import (

@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
-from e2e._evidence import read_evidence
-from e2e._oracle import calls_by_incarnation
-from e2e._sequence_cases import NAMED_CASES
-from e2e._sequences import OPERATION_WEIGHTS, plan_sequence
+from e2e._drill.oracle import calls_by_incarnation
+from e2e._sequences.cases import NAMED_CASES
+from e2e._sequences.suite import OPERATION_WEIGHTS, plan_sequence
+from e2e._servers.evidence import read_evidence
 
 pytestmark = pytest.mark.process
 

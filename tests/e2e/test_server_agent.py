@@ -12,9 +12,9 @@ import anyio
 import httpx
 import pytest
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_agent import create_agent_app
+from e2e._servers.agent import create_agent_app
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
 from participants import AgentParticipant
 from tests.e2e.agent_fakes import (
     AUTH,

@@ -12,9 +12,9 @@ import httpx
 import pytest
 import uvicorn
 
-from e2e._cluster import Cluster, ServerEntry, write_cluster
-from e2e._cmd_serve import bind_listening_socket
-from e2e._spawn import ServerProcess
+from e2e._launch.sockets import bind_listening_socket
+from e2e._launch.spawn import ServerProcess
+from e2e._servers.cluster import Cluster, ServerEntry, write_cluster
 from tests.e2e.agent_fakes import AUTH, ROLLOUT, TOKEN, FakePeers, control, expected_episode
 
 pytestmark = [pytest.mark.process, pytest.mark.anyio]

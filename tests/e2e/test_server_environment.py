@@ -12,9 +12,9 @@ import anyio
 import httpx
 import pytest
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_environment import PeerTimeouts, create_environment_app
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
+from e2e._servers.environment import PeerTimeouts, create_environment_app
 from participants import ManualClock
 from protocols import CONTROL_PREFIX
 
@@ -192,7 +192,7 @@ async def test_a_verify_within_a_longer_timeout_succeeds(tmp_path: Path) -> None
 def test_serve_environment_takes_its_peer_timeouts_as_options() -> None:
     from typer.testing import CliRunner
 
-    from e2e._cli import build_app
+    from e2e._cli.app import build_app
 
     text = CliRunner().invoke(build_app(), ["serve", "environment", "--help"]).output
     for option in ("--peer-timeout-s", "--activation-timeout-s", "--verify-timeout-s"):

@@ -13,8 +13,8 @@ import httpx
 import pytest
 import uvicorn
 
-from e2e._cluster import Cluster, ServerEntry, write_cluster
-from e2e._cmd_serve import bind_listening_socket
+from e2e._launch.sockets import bind_listening_socket
+from e2e._servers.cluster import Cluster, ServerEntry, write_cluster
 from protocols import CONTROL_PREFIX
 
 from .environment_peers import PeerLog, fake_peers_app

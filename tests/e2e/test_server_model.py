@@ -14,10 +14,10 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_model import create_model_app, read_policy_evidence, request_digest
-from e2e._worker import WorkerSettings, create_worker_app
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
+from e2e._servers.model import create_model_app, read_policy_evidence, request_digest
+from e2e._worker.app import WorkerSettings, create_worker_app
 from participants import FileTokenStagingStore, ModelParticipant
 from protocols import encode, render_prompt
 
@@ -310,7 +310,7 @@ async def test_a_call_validates_its_conversation_once(
 async def test_a_conversation_that_is_not_request_items_is_refused_before_admission(
     tmp_path: Path,
 ) -> None:
-    from e2e._policy_apis import CHAT_API, ModelCall
+    from e2e._servers.policy_apis import CHAT_API, ModelCall
     from protocols import InvalidRequestError
 
     async with policy(tmp_path) as (_, app):

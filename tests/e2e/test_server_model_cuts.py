@@ -15,10 +15,10 @@ import pytest
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_model import create_model_app, read_policy_evidence
-from e2e._worker import WorkerSettings, create_worker_app, read_worker_evidence
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
+from e2e._servers.model import create_model_app, read_policy_evidence
+from e2e._worker.app import WorkerSettings, create_worker_app, read_worker_evidence
 from participants import FileTokenStagingStore
 from protocols import LEDGER_CONTROL_PREFIX
 from tests.e2e.test_server_model import (

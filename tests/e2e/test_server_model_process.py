@@ -13,8 +13,8 @@ import anyio
 import httpx
 import pytest
 
-from e2e._server_model import read_policy_evidence
-from e2e._worker import read_worker_evidence
+from e2e._servers.model import read_policy_evidence
+from e2e._worker.app import read_worker_evidence
 from participants import FileTokenStagingStore
 from protocols import encode, render_prompt
 from tests.e2e.processes import kill_group, serve

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from e2e._cluster import default_cluster
-from e2e._cmd_serve import ServeContext
-from e2e._server_resources import create_resources_app
+from e2e._servers.cluster import default_cluster
+from e2e._servers.context import ServeContext
+from e2e._servers.resources import create_resources_app
 from participants import ResourcesParticipant, read_participant_checkpoint
 from protocols import CONTROL_PREFIX
 
@@ -391,7 +391,7 @@ async def test_a_commit_outside_the_run_root_is_refused_with_a_typed_422(tmp_pat
 
 
 def test_serve_takes_a_checkpoint_root_and_defaults_to_the_run_root(tmp_path: Path) -> None:
-    from e2e._cmd_serve import control_settings, serve_options_from
+    from e2e._servers.context import control_settings, serve_options_from
 
     plain = serve_options_from(name="r", port=0, cluster=None, root=tmp_path / "run")
     assert control_settings(plain).checkpoint_root == (tmp_path / "run").resolve()

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e._spawn import ServerProcess
+from e2e._launch.spawn import ServerProcess
 from protocols import CONTROL_PREFIX
 
 pytestmark = pytest.mark.process

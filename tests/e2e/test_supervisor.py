@@ -12,9 +12,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e._cluster import ROLES, ServerEntry, read_cluster
-from e2e._drill import restart_only_rollouts
-from e2e._supervisor import ExtraServer, Supervisor, SupervisorOptions, option_flags
+from e2e._drill.run import restart_only_rollouts
+from e2e._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions, option_flags
+from e2e._servers.cluster import ROLES, ServerEntry, read_cluster
 
 TOKEN = "supervisor-token"
 ROLES_UNDER_TEST = tuple(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e._tokens_of import TokenSequenceError, call_chain
+from e2e._drill.tokens_of import TokenSequenceError, call_chain
 
 
 def _record(call: str, parent: str | None, prev: int, cum: int) -> dict[str, object]:

@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from e2e._worker import WorkerSettings, create_worker_app, read_worker_evidence
+from e2e._worker.app import WorkerSettings, create_worker_app, read_worker_evidence
 from participants import FileTokenStagingStore
 from protocols import (
     GENERATION_CUT_KEY_PREFIX,
@@ -429,7 +429,7 @@ async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Pa
 async def test_a_cut_round_stages_its_calls_in_batches_each_one_segment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("e2e._worker_engine.CUT_BATCH", 2)
+    monkeypatch.setattr("e2e._worker.engine.CUT_BATCH", 2)
     store = FileTokenStagingStore(tmp_path / "staging")
     calls = [f"c{i}" for i in range(5)]
     async with (
@@ -461,7 +461,7 @@ async def test_a_cut_round_stages_its_calls_in_batches_each_one_segment(
 async def test_unpaced_decoding_yields_once_per_chunk_not_per_token(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import e2e._worker_engine as engine_module
+    import e2e._worker.engine as engine_module
 
     yields: list[None] = []
     real = engine_module.anyio.lowlevel.checkpoint

@@ -10,7 +10,7 @@ import anyio
 import httpx
 import pytest
 
-from e2e._worker import read_worker_evidence
+from e2e._worker.app import read_worker_evidence
 from protocols import (
     GenerationCutInventory,
     GenerationCutPrefix,

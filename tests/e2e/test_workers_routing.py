@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e._workers_routing import WorkerRouting
+from e2e._launch.routing import WorkerRouting
 from participants import slot_of
 
 pytestmark = pytest.mark.anyio

@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e._spawn import ServerProcess
-from e2e._workers_routing import aggregate_metrics
+from e2e._launch.routing import aggregate_metrics
+from e2e._launch.spawn import ServerProcess
 from participants import slot_of
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]

@@ -1,0 +1,185 @@
+"""The restore benchmark, and the crash-restore cycle the scale suite reuses.
+
+A cycle parks N rollouts on an in-process cluster, takes one published checkpoint, and "crashes":
+the whole cluster is dropped (its rollouts cancelled, nothing retired or drained) and a fresh one
+starts on the same run root — new apps that have served nothing, as fresh processes would be.
+The dropped cluster is collected before the restore, as a dead process's memory would be gone.
+The controller reads ``LATEST`` and restores every continued episode; the time from sending
+restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
+the same bytes elsewhere, one fsync per file (``floor_s``); ``ratio`` = ``restore_s / floor_s``;
+``us_per_rollout`` is ``restore_s`` per rollout, and the suite adds the slope between sizes.
+
+With ``finish=True`` the cycle then runs every restored rollout to its end as attempt 1 and
+counts what came back: ``lost`` is the rollouts in flight at the checkpoint that did not finish
+with a result, for any reason (not exported, not restored, failed).
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, Final
+
+import anyio
+
+from coordinator import checkpoint_directory, read_latest
+from protocols import EpisodeId
+
+from .checkpoint import PARKED_WORKLOAD, park, take_checkpoint
+from .common import PARKING, InProcessCluster, Workload, files_under, median, ratio
+from .common import write_floor as write_same_bytes
+from .growth import add_growth, us_per_rollout
+
+SIZES: Final = (100, 1000, 4000)
+RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)
+"""After the crash the worker is fast, so a finishing run does not wait on the parked pace."""
+DEADLINE_SECONDS: Final = 600.0
+"""A restore or resume deadline: the control plane's horizon caps what a call may carry."""
+
+
+def read_and_write_floor(directory: Path, into: Path) -> tuple[float, int, int]:
+    """The floor of a restore: read every file of the checkpoint, write the same bytes (one
+    fsync per file). Returns (seconds, files, bytes)."""
+    started = time.perf_counter()
+    files = {str(path): path.read_bytes() for path in files_under(directory)}
+    read_s = time.perf_counter() - started
+    return read_s + write_same_bytes(files, into), len(files), sum(map(len, files.values()))
+
+
+def records_bytes(directory: Path) -> int:
+    """Bytes of the participants' records files in a checkpoint."""
+    return sum(path.stat().st_size for path in directory.rglob("records-*.jsonl"))
+
+
+async def _park_and_crash(
+    run_root: Path, episodes: list[EpisodeId], parked: Workload
+) -> tuple[float, dict[str, Any]]:
+    """Park the rollouts on a first cluster, checkpoint them, and drop the cluster whole."""
+    started = time.perf_counter()
+    first = InProcessCluster(run_root, parked)
+    async with first.running(), anyio.create_task_group() as group:
+        await park(first, len(episodes), group, within_s=max(120.0, len(episodes) * 0.05))
+        park_s = time.perf_counter() - started
+        taken = await take_checkpoint(first, "before-crash", episodes)
+        group.cancel_scope.cancel()  # the crash: every rollout of this incarnation is gone
+    return park_s, taken
+
+
+async def crash_restore_cycle(
+    root: Path,
+    rollouts: int,
+    *,
+    finish: bool,
+    parked: Workload = PARKED_WORKLOAD,
+    restored: Workload = RESTORED_WORKLOAD,
+    profiler: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> dict[str, Any]:
+    """Park, checkpoint, crash, restore (and optionally finish) ``rollouts`` rollouts."""
+    run_root = root / "run"
+    episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
+    park_s, taken = await _park_and_crash(run_root, episodes, parked)
+    # A crashed process leaves nothing in memory: collect the dropped cluster (untimed), so the
+    # restore does not pay for traversing it (D267).
+    gc.collect()
+    latest = read_latest(run_root)
+    if latest is None:
+        raise RuntimeError("the checkpoint before the crash was not published")
+    directory = checkpoint_directory(run_root, latest.checkpoint_id)
+    continued = list(latest.continued)
+    second = InProcessCluster(run_root, restored)
+    results: list[dict[str, Any]] = []
+    async with second.running():
+        coordinator = second.coordinator
+        assert coordinator is not None
+        with (profiler or nullcontext)():
+            begun = time.perf_counter()
+            replies = await coordinator.restore(
+                "restore-1", time.time() + DEADLINE_SECONDS, str(directory), continued
+            )
+            await coordinator.resume("restore-1", time.time() + DEADLINE_SECONDS)
+            restore_s = time.perf_counter() - begun
+        kinds = {m.instance: m.kind for m in coordinator.members}
+        restored_keys = {
+            key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
+        }
+        if finish:
+            finish_started = time.perf_counter()
+
+            async def run_one(episode: EpisodeId) -> None:
+                reply = await second.run(episode.rollout_id, episode.attempt + 1)
+                results.append(reply)
+
+            async with anyio.create_task_group() as group:
+                for episode in continued:
+                    group.start_soon(run_one, episode)
+            finish_s = time.perf_counter() - finish_started
+    floor_s, files, size = read_and_write_floor(directory, root / "floor")
+    wanted = {episode.next_attempt().capture_key for episode in episodes}
+    row: dict[str, Any] = {
+        "rollouts": rollouts,
+        "parked": taken["parked"],
+        "restored": len(restored_keys & wanted),
+        "records_bytes": records_bytes(directory),
+        "checkpoint_bytes": size,
+        "files": files,
+        "restore_s": restore_s,
+        "floor_s": floor_s,
+        "ratio": ratio(restore_s, floor_s),
+        "us_per_rollout": us_per_rollout(restore_s, rollouts),
+        "pause_s": taken["pause_s"],
+        "park_s": round(park_s, 3),
+    }
+    if finish:
+        calls = parked.activations * parked.turns
+        good = sum(1 for reply in results if reply.get("result", {}).get("model_calls") == calls)
+        row["finished"] = good
+        row["lost"] = rollouts - good
+        row["finish_s"] = round(finish_s, 3)
+    return row
+
+
+def run_restore_bench(
+    directory: Path,
+    *,
+    sizes: Sequence[int] = SIZES,
+    repeats: int = 1,
+    profiler: Callable[[], AbstractContextManager[Any]] | None = None,
+) -> dict[str, Any]:
+    """Restore time against records size and rollout count, each beside its floor.
+
+    Args:
+        directory: An empty scratch directory on the disk to measure.
+        sizes: Rollouts in flight at the checkpoint, one row each.
+        repeats: Crash-restore cycles per size (medians are reported).
+        profiler: Entered around each timed restore (``--profile``).
+    """
+
+    async def main() -> list[dict[str, Any]]:
+        rows = []
+        for rollouts in sizes:
+            cycles = [
+                await crash_restore_cycle(
+                    directory / f"n{rollouts}-{index}", rollouts, finish=False, profiler=profiler
+                )
+                for index in range(repeats)
+            ]
+            row = dict(cycles[-1])
+            for name in ("restore_s", "floor_s"):
+                row[name] = median([cycle[name] for cycle in cycles])
+            row["ratio"] = ratio(row["restore_s"], row["floor_s"])
+            row["restored"] = min(cycle["restored"] for cycle in cycles)
+            rows.append(row)
+        return rows
+
+    rows = anyio.run(main)
+    return {
+        "suite": "restore",
+        "parking": PARKING,
+        "floor": "read every file of the checkpoint, write the same bytes, one fsync per file",
+        "repeats": repeats,
+        "rows": rows,
+        "slopes": add_growth(rows, "restore_s"),
+    }

@@ -1,0 +1,385 @@
+"""The operator's control commands over a cluster file: status, checkpoint, restore, resume, retire,
+forget.
+
+The control token comes from ``MIDFLIGHT_CONTROL_TOKEN``. Every command takes ``--json``; long
+operations show a progress spinner on stderr (never on stdout, which ``--json`` owns).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager, nullcontext
+from pathlib import Path
+from typing import Annotated, Any, Final, TypeVar
+
+import anyio
+import typer
+from rich.live import Live
+from rich.markup import escape
+
+from coordinator import (
+    CoordinationError,
+    Coordinator,
+    checkpoint,
+    checkpoint_directory,
+    discover,
+    read_checkpoint,
+    read_latest,
+)
+from protocols import EpisodeId, MidflightError
+
+from .._servers.cluster import Cluster, read_cluster
+from .._servers.context import CONTROL_TOKEN_ENV
+from .output import JsonOption, console, emit, error_console, usage_error
+from .status_table import CONTROL_DISABLED, answered, participant_rows, status_table
+
+T = TypeVar("T")
+PARTICIPANT_ROLES: Final = ("environment", "model", "agent", "resources")
+EXIT_FAILED: Final = 1
+EXIT_BLOCKED: Final = 3
+"""``checkpoint`` exit code when blockers remained (nothing published, everyone resumed)."""
+
+ClusterOption = Annotated[
+    Path, typer.Option("--cluster", help="The cluster file (TOML).", exists=True, dir_okay=False)
+]
+DeadlineOption = Annotated[
+    float, typer.Option("--deadline", min=0.1, help="Seconds the operation may take.")
+]
+
+
+def _token() -> str:
+    token = os.environ.get(CONTROL_TOKEN_ENV, "")
+    if not token:
+        usage_error(f"set {CONTROL_TOKEN_ENV} to the control token")
+    return token
+
+
+def _load(path: Path) -> Cluster:
+    try:
+        return read_cluster(path)
+    except ValueError as exc:
+        usage_error(str(exc))
+
+
+def participant_urls(cluster: Cluster) -> list[str]:
+    """URLs of every server of a participant role, in file order."""
+    return [server.url for server in cluster.servers if server.role in PARTICIPANT_ROLES]
+
+
+@asynccontextmanager
+async def _coordinator(cluster: Cluster, token: str) -> AsyncIterator[Coordinator]:
+    try:
+        members = await discover(participant_urls(cluster), token=token)
+    except CoordinationError as exc:
+        if "deployment" not in exc.failures:
+            raise
+        disabled = await _without_control_routes(cluster, token)
+        if not disabled:
+            raise
+        detail = f"{exc.failures['deployment']}; {CONTROL_DISABLED} on {', '.join(disabled)}"
+        raise CoordinationError("discover", {"deployment": detail}) from exc
+    found = {member.url.rstrip("/") for member in members}
+    for server in cluster.servers:
+        if server.role in PARTICIPANT_ROLES and server.url.rstrip("/") not in found:
+            # A listed participant that answers without control routes is left out: say so.
+            error_console.print(
+                f"[yellow]warning[/yellow]: {escape(server.name)}: {CONTROL_DISABLED} (served "
+                f"without {CONTROL_TOKEN_ENV}); it takes no part",
+                soft_wrap=True,
+            )
+    async with Coordinator(members) as coordinator:
+        yield coordinator
+
+
+async def _without_control_routes(cluster: Cluster, token: str) -> list[str]:
+    rows = await participant_rows(cluster, token)
+    return [row["server"] for row in rows if row.get("control_routes") == "disabled"]
+
+
+def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """Run ``work`` with a spinner; a coordination failure becomes a precise message and exit 1."""
+    spinner = error_console.status(what, spinner="dots") if not as_json else nullcontext()
+    try:
+        with spinner:
+            return anyio.run(work)
+    except (CoordinationError, MidflightError) as exc:
+        failures = getattr(exc, "failures", {})
+        message = str(exc)
+        payload = {"ok": False, "error": message, "failures": failures}
+        emit(
+            payload,
+            as_json=as_json,
+            render=lambda: error_console.print(f"[red]failed[/red]: {message}"),
+        )
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+def _watch_json(cluster: Cluster, token: str, every: float, rows: list[dict[str, Any]]) -> None:
+    """``status --watch S --json``: one JSON object per line, every S seconds, until Ctrl-C."""
+    try:
+        while True:
+            payload = {"participants": rows, "answered": answered(rows), "t": time.time()}
+            emit(payload, as_json=True, render=lambda: None)
+            time.sleep(every)
+            rows = anyio.run(participant_rows, cluster, token)
+    except KeyboardInterrupt:
+        return
+
+
+def _episodes(keys: list[str]) -> list[EpisodeId]:
+    try:
+        return [EpisodeId.from_capture_key(key) for key in keys]
+    except (MidflightError, ValueError) as exc:
+        usage_error(str(exc))
+
+
+def _read_scope(path: Path | None) -> list[EpisodeId] | None:
+    if path is None:
+        return None
+    try:
+        keys = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        usage_error(f"cannot read scope file {path}: {exc}")
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        usage_error(f"{path}: the scope is a JSON array of capture keys")
+    return _episodes(keys)
+
+
+def register(app: typer.Typer) -> None:
+    """Add the control commands to the app."""
+
+    @app.command("status")
+    def status_command(
+        cluster: ClusterOption,
+        watch: Annotated[
+            float,
+            typer.Option(
+                "--watch",
+                min=0.0,
+                help="Refresh every N seconds until Ctrl-C (0: once); with --json, one JSON "
+                "object per line per refresh.",
+            ),
+        ] = 0.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """One row per participant: phase, checkpoint, lease, blockers, counts.
+
+        Exits 1 when no participant answered (every server unreachable or without control
+        routes), else 0.
+        """
+        servers = _load(cluster)
+        token = _token()
+        rows = anyio.run(participant_rows, servers, token)
+        if watch <= 0:
+            emit(
+                {"participants": rows, "answered": answered(rows)},
+                as_json=as_json,
+                render=lambda: console.print(status_table(rows)),
+            )
+            raise typer.Exit(0 if answered(rows) else EXIT_FAILED)
+        if as_json:
+            _watch_json(servers, token, watch, rows)
+            return
+        with Live(status_table(rows), console=console, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(watch)
+                    live.update(status_table(anyio.run(participant_rows, servers, token)))
+            except KeyboardInterrupt:
+                return
+
+    @app.command("checkpoint")
+    def checkpoint_command(
+        cluster: ClusterOption,
+        scope: Annotated[
+            Path | None, typer.Option("--scope", help="JSON array of capture keys to continue.")
+        ] = None,
+        checkpoint_id: Annotated[str | None, typer.Option("--id", help="Checkpoint id.")] = None,
+        deadline: DeadlineOption = 60.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Prepare, commit, publish and resume; report blockers when some remain."""
+        servers = _load(cluster)
+        token = _token()
+        episodes = _read_scope(scope)
+        chosen = checkpoint_id or f"ckpt-{int(time.time() * 1000)}"
+
+        async def work() -> Any:
+            async with _coordinator(servers, token) as coordinator:
+                return await checkpoint(
+                    coordinator, servers.root, chosen, deadline_seconds=deadline, episodes=episodes
+                )
+
+        outcome = _run(f"checkpoint {chosen}…", as_json, work)
+        payload = {
+            "ok": outcome.published,
+            "checkpoint_id": chosen,
+            "published": outcome.published,
+            "checkpoint_dir": str(checkpoint_directory(servers.root, chosen)),
+            "blockers": outcome.prepare.blockers(),
+            "blocking_episodes": [e.capture_key for e in outcome.blocking_episodes()],
+            "restarts": sorted(e.capture_key for e in outcome.prepare.restarts()),
+            "continued": [e.capture_key for e in outcome.manifest.continued]
+            if outcome.manifest
+            else [],
+        }
+
+        def render() -> None:
+            if outcome.published:
+                console.print(
+                    f"[green]published[/green] {chosen}: {len(payload['continued'])} continued, "
+                    f"{len(payload['restarts'])} restart"
+                )
+                return
+            console.print(f"[yellow]blocked[/yellow] {chosen}: nothing published, all resumed")
+            for name, keys in payload["blockers"].items():
+                console.print(f"  {name}: {', '.join(keys)}")
+
+        emit(payload, as_json=as_json, render=render)
+        raise typer.Exit(0 if outcome.published else EXIT_BLOCKED)
+
+    @app.command("restore")
+    def restore_command(
+        cluster: ClusterOption,
+        source: Annotated[
+            str | None, typer.Option("--checkpoint", help="Checkpoint to restore (LATEST).")
+        ] = None,
+        resume: Annotated[bool, typer.Option(help="Resume everyone afterwards.")] = True,
+        deadline: DeadlineOption = 60.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Restore a published checkpoint everywhere, all or nothing."""
+        servers = _load(cluster)
+        token = _token()
+        try:
+            manifest = (
+                read_checkpoint(servers.root, source) if source else read_latest(servers.root)
+            )
+        except (MidflightError, ValueError) as exc:
+            usage_error(str(exc))
+        if manifest is None:
+            usage_error(f"nothing is published under {servers.root}")
+        operation = f"restore-{int(time.time() * 1000)}"
+        directory = str(checkpoint_directory(servers.root, manifest.checkpoint_id))
+
+        async def work() -> list[str]:
+            async with _coordinator(servers, token) as coordinator:
+                replies = await coordinator.restore(
+                    operation, time.time() + deadline, directory, manifest.continued
+                )
+                if resume:
+                    await coordinator.resume(operation, time.time() + deadline)
+                return sorted({key for reply in replies.values() for key in reply.restored})
+
+        restored = _run(f"restore {manifest.checkpoint_id}…", as_json, work)
+        payload = {
+            "ok": True,
+            "checkpoint_id": manifest.checkpoint_id,
+            "operation_id": operation,
+            "restored": restored,
+            "resumed": resume,
+        }
+        emit(
+            payload,
+            as_json=as_json,
+            render=lambda: console.print(
+                f"[green]restored[/green] {len(restored)} episodes from {manifest.checkpoint_id}"
+            ),
+        )
+
+    _simple(app)
+
+
+def _simple(app: typer.Typer) -> None:
+    @app.command("resume")
+    def resume_command(
+        cluster: ClusterOption,
+        checkpoint_id: Annotated[str, typer.Option("--id", help="The open checkpoint's id.")],
+        deadline: DeadlineOption = 30.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Reopen admission everywhere (aborts an unpublished checkpoint)."""
+        servers, token = _load(cluster), _token()
+
+        async def work() -> dict[str, bool]:
+            async with _coordinator(servers, token) as coordinator:
+                replies = await coordinator.resume(checkpoint_id, time.time() + deadline)
+                return {name: reply.idempotent for name, reply in replies.items()}
+
+        replies = _run(f"resume {checkpoint_id}…", as_json, work)
+        # An idempotent reply reopened nothing: the id was never open there, or already resumed.
+        resumed = sorted(name for name, idempotent in replies.items() if not idempotent)
+        untouched = sorted(name for name, idempotent in replies.items() if idempotent)
+
+        def render() -> None:
+            if resumed:
+                console.print(f"[green]resumed[/green] {checkpoint_id} on {', '.join(resumed)}")
+            if untouched and not resumed:
+                console.print(
+                    f"nothing to resume: {checkpoint_id} is not open on any participant "
+                    "(never prepared, or already resumed)"
+                )
+            elif untouched:
+                console.print(f"not open on {', '.join(untouched)} (nothing to do there)")
+
+        emit(
+            {
+                "ok": True,
+                "checkpoint_id": checkpoint_id,
+                "resumed": resumed,
+                "not_open": untouched,
+            },
+            as_json=as_json,
+            render=render,
+        )
+
+    @app.command("retire")
+    def retire_command(
+        cluster: ClusterOption,
+        keys: Annotated[list[str], typer.Argument(help="Capture keys of the attempts to retire.")],
+        checkpoint_id: Annotated[str | None, typer.Option("--id", help="Operation id.")] = None,
+        deadline: DeadlineOption = 30.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Refuse, stop and free these attempts (and every earlier one) everywhere."""
+        servers, token = _load(cluster), _token()
+        episodes = _episodes(keys)  # all validated before anything is sent
+        operation = checkpoint_id or f"retire-{int(time.time() * 1000)}"
+
+        async def work() -> list[str]:
+            async with _coordinator(servers, token) as coordinator:
+                return sorted(await coordinator.retire(operation, time.time() + deadline, episodes))
+
+        names = _run("retire…", as_json, work)
+        emit(
+            {"ok": True, "retired": [e.capture_key for e in episodes], "participants": names},
+            as_json=as_json,
+            render=lambda: console.print(f"[green]retired[/green] {len(episodes)} attempts"),
+        )
+
+    @app.command("forget")
+    def forget_command(
+        cluster: ClusterOption,
+        rollout_ids: Annotated[list[str], typer.Argument(help="Rollouts whose marks to drop.")],
+        checkpoint_id: Annotated[str | None, typer.Option("--id", help="Operation id.")] = None,
+        deadline: DeadlineOption = 30.0,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Remove the retire marks of finished rollouts everywhere."""
+        servers, token = _load(cluster), _token()
+        operation = checkpoint_id or f"forget-{int(time.time() * 1000)}"
+
+        async def work() -> list[str]:
+            async with _coordinator(servers, token) as coordinator:
+                replies = await coordinator.forget(operation, time.time() + deadline, rollout_ids)
+                return sorted(replies)
+
+        names = _run("forget…", as_json, work)
+        emit(
+            {"ok": True, "forgotten": sorted(set(rollout_ids)), "participants": names},
+            as_json=as_json,
+            render=lambda: console.print(f"[green]forgot[/green] {len(rollout_ids)} rollouts"),
+        )

@@ -1,0 +1,348 @@
+"""``midflight drill``: the crash-restore drill, and ``drill-driver`` (its controller process)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Annotated, NoReturn
+
+import typer
+from rich.table import Table
+
+from coordinator import PUBLISH_FAULTS
+from participants import RESOURCES_MODES, VERIFY_MODES
+
+from .._drill.matrix import cells_json, parse_cells, run_matrix
+from .._drill.oracle import ERROR_FIGURES, MIN_CHECKPOINTS, MIN_CRASHES
+from .._drill.progress import DrillProgress, is_progress_line
+from .._drill.run import FAULTS, DrillOptions, DrillStalledError, default_concurrency, run_drill
+from .._sequences.cases import NAMED_CASES
+from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
+from .output import JsonOption, console, emit, error_console, usage_error
+
+
+def run_matrix_command(
+    spec: str, options: DrillOptions, keep_dir: Path | None, *, jobs: int, as_json: bool
+) -> NoReturn:
+    """Run the cells of ``spec``; exit 0 only when every cell is green.
+
+    Raises:
+        typer.Exit: 2 for an unknown cell set, cell or fault (one line).
+        typer.Exit: Always, with 1 when any cell failed.
+    """
+    try:
+        cells = parse_cells(spec)
+    except ValueError as exc:
+        usage_error(f"--matrix: {exc}")
+    known = sorted({*FAULTS, *PUBLISH_FAULTS})
+    if options.fault is not None and options.fault not in known:
+        usage_error(f"unknown fault {options.fault!r}; known: {known}")
+    work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-matrix-"))
+
+    def on_line(line: str) -> None:
+        if not as_json and not is_progress_line(line):
+            error_console.print(f"[dim]{line}[/dim]")
+
+    try:
+        with (
+            error_console.status(f"running {len(cells)} matrix cells…", spinner="dots")
+            if not as_json
+            else contextlib.nullcontext()
+        ):
+            results = run_matrix(cells, options, work, on_line, jobs=jobs)
+    finally:
+        if keep_dir is None:
+            shutil.rmtree(work, ignore_errors=True)
+    ok = all(cell.ok for cell in results)
+
+    def render() -> None:
+        table = Table(title="midflight drill --matrix (kill -9)")
+        for column in ("killed", "boundary", "ok", "detail"):
+            table.add_column(column)
+        for cell in results:
+            verdict = "[green]ok[/green]" if cell.ok else "[red]FAIL[/red]"
+            table.add_row(cell.killed, cell.boundary, verdict, cell.detail)
+        console.print(table)
+        failed = sum(1 for cell in results if not cell.ok)
+        console.print("[green]PASS[/green]" if ok else f"[red]FAIL[/red]: {failed} cell(s)")
+
+    emit(cells_json(results), as_json=as_json, render=render)
+    raise typer.Exit(0 if ok else 1)
+
+
+SHOWN = (
+    "rollouts",
+    "completed",
+    "checkpoints",
+    "crashes",
+    "restored",
+    "restarted",
+    "lost",
+    "token_mismatches",
+    "reward_mismatches",
+    "repeated_model_calls",
+    "redone_model_calls",
+    "held_delivered",
+    "cut_continued",
+    "extra_tokens_generated",
+    "stale_probes",
+    "stale_accepted",
+    "leftover",
+    "wall_s",
+    "baseline_wall_s",
+)
+
+
+def refuse_a_used_directory(keep_dir: Path) -> None:
+    """Refuse a ``--keep-dir`` that holds anything: a run there would read the old run's evidence.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line.
+    """
+    if keep_dir.exists() and not keep_dir.is_dir():
+        usage_error(f"--keep-dir {keep_dir} is not a directory")
+    if keep_dir.is_dir() and any(keep_dir.iterdir()):
+        usage_error(
+            f"--keep-dir {keep_dir} is not empty (a kept run would mix with this one): "
+            "name a new or empty directory"
+        )
+
+
+def refuse_a_drill_that_cannot_pass(checkpoints: int, crashes: int) -> None:
+    """Refuse the options the minimum-activity rule fails whatever happens (D232).
+
+    Every crash restores a checkpoint of its own phase, so each crash needs one of the
+    ``--checkpoints`` before it; with fewer the drill would publish more than asked.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line.
+    """
+    if checkpoints < MIN_CHECKPOINTS or crashes < MIN_CRASHES:
+        usage_error(
+            f"--checkpoints {checkpoints} --crashes {crashes} can never pass: the drill proves "
+            f"nothing with fewer than {MIN_CHECKPOINTS} checkpoints and {MIN_CRASHES} crashes"
+        )
+    if checkpoints < crashes:
+        usage_error(
+            f"--checkpoints {checkpoints} is fewer than --crashes {crashes}: every crash "
+            "restores a checkpoint taken since the one before"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``drill`` and the hidden ``drill-driver`` to the app."""
+
+    @app.command("drill")
+    def drill_command(
+        rollouts: Annotated[
+            int | None,
+            typer.Option(
+                min=1, help="Rollouts to run \\[default: 8; 10, the reference's, with --sequences]."
+            ),
+        ] = None,
+        checkpoints: Annotated[
+            int,
+            typer.Option(
+                min=0, help="Checkpoints to publish in all, at least 3 and at least --crashes."
+            ),
+        ] = 3,
+        crashes: Annotated[
+            int, typer.Option(min=0, help="SIGKILLs of every server (at least 2).")
+        ] = 2,
+        seed: Annotated[int, typer.Option(min=0, help="Generation seed of the episodes.")] = 0,
+        token_delay_ms: Annotated[
+            float, typer.Option(min=0.0, help="Worker delay per token.")
+        ] = 4.0,
+        concurrency: Annotated[
+            int | None,
+            typer.Option(
+                min=1,
+                help="Rollouts in flight at once \\[default: 4; a quarter of --rollouts, at most "
+                "256, from 20 rollouts on].",
+            ),
+        ] = None,
+        fault: Annotated[
+            str | None, typer.Option(help="Inject a fault: " + ", ".join(sorted(FAULTS)))
+        ] = None,
+        verify: Annotated[
+            str, typer.Option(help="The resources server's verify mode: wait or replay.")
+        ] = "wait",
+        resources_mode: Annotated[
+            str,
+            typer.Option(help="The resources server's mode: exported, stateless, restart_only."),
+        ] = "exported",
+        restart_only_share: Annotated[
+            float,
+            typer.Option(
+                min=0.0,
+                max=1.0,
+                help="Share of the rollouts run through a restart-only agent (0 for none).",
+            ),
+        ] = 0.2,
+        workers: Annotated[
+            int,
+            typer.Option(
+                min=1, max=16, help="Worker processes per server (each still one participant)."
+            ),
+        ] = 1,
+        keep_dir: Annotated[
+            Path | None, typer.Option(help="Run here and keep every file (evidence, logs).")
+        ] = None,
+        baseline: Annotated[
+            Path | None,
+            typer.Option(
+                help="Keep the baseline run here and reuse it next time (same rollouts, seed and "
+                "task input)."
+            ),
+        ] = None,
+        sequences: Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="Run this many random operation sequences instead (seeds from --seed on).",
+            ),
+        ] = 0,
+        sequence_length: Annotated[
+            int, typer.Option(min=2, help="Operations per random sequence.")
+        ] = REFERENCE_LENGTH,
+        sequence_crashes: Annotated[
+            int, typer.Option(min=0, help="At most this many crashes per random sequence.")
+        ] = 2,
+        sequence_case: Annotated[
+            str | None,
+            typer.Option(
+                help="Run one named, forced interleaving instead: " + ", ".join(sorted(NAMED_CASES))
+            ),
+        ] = None,
+        matrix: Annotated[
+            str | None,
+            typer.Option(
+                help="Run the kill -9 matrix instead: small, full, or killed:boundary,… cells."
+            ),
+        ] = None,
+        matrix_jobs: Annotated[
+            int, typer.Option(min=1, help="Matrix clusters (baseline, cells) run side by side.")
+        ] = 1,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
+        if fault is not None and fault not in FAULTS:
+            usage_error(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
+        if verify not in VERIFY_MODES:
+            usage_error(f"unknown verify mode {verify!r}; known: {list(VERIFY_MODES)}")
+        if resources_mode not in RESOURCES_MODES:
+            usage_error(
+                f"unknown resources mode {resources_mode!r}; known: {list(RESOURCES_MODES)}"
+            )
+        if sequence_case is not None and sequence_case not in NAMED_CASES:
+            usage_error(f"unknown sequence case {sequence_case!r}; known: {sorted(NAMED_CASES)}")
+        if sequence_case is not None:
+            sequences = 1
+        if keep_dir is not None:
+            refuse_a_used_directory(keep_dir)
+        if matrix is None and not sequences:
+            refuse_a_drill_that_cannot_pass(checkpoints, crashes)
+        if rollouts is None:
+            rollouts = REFERENCE_ROLLOUTS if sequences else 8
+        if concurrency is None:
+            concurrency = default_concurrency(rollouts)
+        options = DrillOptions(
+            rollouts=rollouts,
+            checkpoints=checkpoints,
+            crashes=crashes,
+            seed=seed,
+            token_delay_ms=token_delay_ms,
+            concurrency=concurrency,
+            fault=fault,
+            verify=verify,
+            resources_mode=resources_mode,
+            restart_only_share=restart_only_share,
+            workers=workers,
+        )
+        if matrix is not None:
+            # Matrix cells run one crash each and no restart-only share (their own crash plan).
+            cells = dataclasses.replace(options, restart_only_share=0.0, workers=1)
+            run_matrix_command(matrix, cells, keep_dir, jobs=matrix_jobs, as_json=as_json)
+        work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
+        if sequences:
+            from .drill_sequences import run_sequences_command
+
+            run_sequences_command(
+                sequences,
+                seed,
+                options,
+                work,
+                length=sequence_length,
+                max_crashes=sequence_crashes,
+                case=sequence_case,
+                keep=keep_dir is not None,
+                as_json=as_json,
+            )
+        progress = DrillProgress(
+            error_console, rollouts=rollouts, checkpoints=checkpoints, crashes=crashes
+        )
+
+        def quiet(line: str) -> None:
+            return None
+
+        try:
+            with progress if not as_json else contextlib.nullcontext():
+                figures = run_drill(
+                    options,
+                    work,
+                    quiet if as_json else progress.on_line,
+                    baseline_dir=baseline.resolve() if baseline else None,
+                )
+        except ValueError as exc:  # a kept baseline of other rollouts: nothing was run
+            usage_error(str(exc))
+        except DrillStalledError as exc:  # one line, never a traceback
+            kept = "" if keep_dir is not None else "; rerun with --keep-dir DIR to keep the logs"
+            error_console.print(f"midflight drill: FAIL: {exc}{kept}", markup=False, soft_wrap=True)
+            raise typer.Exit(1) from None
+        finally:
+            if keep_dir is None:
+                shutil.rmtree(work, ignore_errors=True)
+        failures = figures.failed_checks(require_cuts=True)
+        figures.values["ok"] = not failures
+        figures.values["failures"] = failures
+
+        def render() -> None:
+            table = Table(title="midflight drill")
+            table.add_column("figure")
+            table.add_column("value", justify="right")
+            for name in SHOWN:
+                value = figures.values.get(name)
+                style = "red" if name in ERROR_FIGURES and value else ""
+                table.add_row(name, f"[{style}]{value}[/{style}]" if style else str(value))
+            console.print(table)
+            console.print(
+                "[green]PASS[/green]" if not failures else "[red]FAIL[/red]: " + "; ".join(failures)
+            )
+
+        emit(figures.values, as_json=as_json, render=render)
+        raise typer.Exit(0 if not failures else 1)
+
+    @app.command("drill-driver", hidden=True)
+    def drill_driver_command(
+        root: Annotated[Path, typer.Option()],
+        cluster: Annotated[Path, typer.Option()],
+        plan: Annotated[Path, typer.Option()],
+    ) -> None:
+        """The drill's controller process (started by ``midflight drill``)."""
+        from .._drill.controller import main
+
+        main(root, cluster, plan)
+
+    @app.command("sequence-driver", hidden=True)
+    def sequence_driver_command(
+        root: Annotated[Path, typer.Option()],
+        cluster: Annotated[Path, typer.Option()],
+        plan: Annotated[Path, typer.Option()],
+    ) -> None:
+        """The controller process of one random sequence (started by ``drill --sequences``)."""
+        from .._sequences.controller import main
+
+        main(root, cluster, plan)

@@ -1,0 +1,210 @@
+"""The drill controller's view of the control plane: the coordinator, plus the few reads it needs.
+
+Everything that changes participant state goes through ``coordinator`` (fixed orders, retries,
+publication); this module adds the drill's reads: the model's in-flight calls, ledger manifests,
+the published LATEST checkpoint, and what is left over at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from coordinator import (
+    PUBLISH_FAULTS,
+    Coordinator,
+    PrepareResult,
+    checkpoint_directory,
+    discover,
+    publish_checkpoint,
+    read_latest,
+)
+from participants import KillPoint
+from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
+
+from .._servers.cluster import Cluster
+
+LEDGER_PREFIX = "/training-token-capture/control"
+PARTICIPANT_ROLES = ("environment", "model", "agent", "resources")
+OPERATION_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class CommitOutcome:
+    """Every participant's commit reply."""
+
+    replies: Mapping[str, CommitReply]
+    kinds: Mapping[str, str]
+
+    def environment_episode_ids(self) -> list[str]:
+        """The environment's exported set: the authoritative continued episodes."""
+        return sorted(
+            key
+            for name, reply in self.replies.items()
+            if self.kinds[name] == "environment"
+            for key in reply.episode_ids
+        )
+
+    def generation_cut_episodes(self) -> list[str]:
+        """Episodes whose committed model record carries a generation cut (D155)."""
+        return sorted(
+            str(key)
+            for name, reply in self.replies.items()
+            if self.kinds[name] == "model"
+            for key in (reply.model_extra or {}).get("generation_cut_episodes", ())
+        )
+
+
+class ControlSession:
+    """Control of one cluster by one controller incarnation.
+
+    The controller's named kill point (``controller:<boundary>``, test flag only) and a
+    publication fault (``MIDFLIGHT_FAULT=latest-before-manifest``) are read from the environment.
+    """
+
+    def __init__(self, cluster: Cluster, token: str) -> None:
+        self.cluster = cluster
+        self.token = token
+        self.kill_point = KillPoint("controller")
+        fault = os.environ.get("MIDFLIGHT_FAULT")
+        self.publish_fault = fault if fault in PUBLISH_FAULTS else None
+        self._auth = {"Authorization": f"Bearer {token}"}
+        self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
+        self._coordinator: Coordinator | None = None
+
+    async def coordinator(self) -> Coordinator:
+        """The coordinator over every participant of the cluster (discovered once)."""
+        if self._coordinator is None:
+            urls = [s.url for s in self.cluster.servers if s.role in PARTICIPANT_ROLES]
+            self._coordinator = Coordinator(
+                await discover(urls, token=self.token), on_boundary=self.kill_point.areach
+            )
+        return self._coordinator
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareResult:
+        """Prepare in the fixed order."""
+        return await (await self.coordinator()).prepare(checkpoint_id, deadline)
+
+    async def commit(
+        self, checkpoint_id: str, deadline: float, directory: Path, episodes: Sequence[EpisodeId]
+    ) -> CommitOutcome:
+        """Commit the scope on every participant."""
+        coordinator = await self.coordinator()
+        replies = await coordinator.commit(checkpoint_id, deadline, str(directory), episodes)
+        return CommitOutcome(replies, {m.instance: m.kind for m in coordinator.members})
+
+    async def resume(self, checkpoint_id: str, deadline: float) -> None:
+        """Resume in the reverse order."""
+        await (await self.coordinator()).resume(checkpoint_id, deadline)
+
+    async def restore(
+        self, checkpoint_id: str, deadline: float, directory: Path, episodes: Sequence[EpisodeId]
+    ) -> list[str]:
+        """Restore everywhere (all or nothing); the environment's restored keys."""
+        coordinator = await self.coordinator()
+        replies = await coordinator.restore(checkpoint_id, deadline, str(directory), episodes)
+        kinds = {m.instance: m.kind for m in coordinator.members}
+        return sorted(
+            key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
+        )
+
+    async def retire(self, checkpoint_id: str, episodes: Sequence[EpisodeId]) -> None:
+        """Retire in RETIRE_ORDER."""
+        deadline = time.time() + OPERATION_SECONDS
+        await (await self.coordinator()).retire(checkpoint_id, deadline, episodes)
+
+    async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:
+        """Forget in RETIRE_ORDER."""
+        deadline = time.time() + OPERATION_SECONDS
+        await (await self.coordinator()).forget(checkpoint_id, deadline, rollout_ids)
+
+    async def publish(
+        self,
+        root: Path,
+        checkpoint_id: str,
+        commit: CommitOutcome,
+        continued: Sequence[EpisodeId],
+        controller_state: dict[str, Any],
+    ) -> None:
+        """Publish ``checkpoint.json`` then ``LATEST``."""
+        coordinator = await self.coordinator()
+        await publish_checkpoint(
+            root,
+            checkpoint_id,
+            coordinator.members,
+            commit.replies,
+            continued,
+            controller_state,
+            fault=self.publish_fault,
+            on_boundary=self.kill_point.reach,
+        )
+
+    @staticmethod
+    def checkpoint_dir(root: Path, checkpoint_id: str) -> Path:
+        """Where a checkpoint of this run is committed."""
+        return checkpoint_directory(root, checkpoint_id)
+
+    async def _status(self, url: str) -> dict[str, Any]:
+        reply = await self._http.get(url + f"{CONTROL_PREFIX}/status", headers=self._auth)
+        reply.raise_for_status()
+        result: dict[str, Any] = reply.json()
+        return result
+
+    async def model_calls_in_flight(self) -> int:
+        """Model calls admitted and not yet delivered, by the model server's status."""
+        status = await self._status(self.cluster.url_of("model"))
+        counts = status["report"]["counts"]
+        return int(counts.get("inflight", 0))
+
+    async def ledger_manifest(self, capture_key: str) -> dict[str, Any] | None:
+        """The capture-ledger manifest of one attempt; ``None`` once its ledger is retired (410)."""
+        reply = await self._http.get(
+            self.cluster.url_of("model") + f"{LEDGER_PREFIX}/rollouts/{capture_key}/manifest",
+            headers=self._auth,
+        )
+        if reply.status_code == 410:
+            return None
+        reply.raise_for_status()
+        result: dict[str, Any] = reply.json()
+        return result
+
+    async def leftover(self, root: Path) -> dict[str, int]:
+        """What is still alive at the end: phases, marks, fences, live work, finished ledgers."""
+        left: dict[str, int] = {}
+        for role in PARTICIPANT_ROLES:
+            for server in self.cluster.by_role(role):  # type: ignore[arg-type]
+                status = await self._status(server.url)
+                counts = status["report"]["counts"]
+                live = sum(
+                    int(counts.get(name, 0))
+                    for name in ("episodes", "sessions", "inflight", "held")
+                )
+                left[f"{server.name}.open"] = int(status["phase"] != "idle")
+                left[f"{server.name}.retire_marks"] = int(status["retired_rollouts"])
+                # Counted apart from retire marks (D223); the final retire and forget end them.
+                left[f"{server.name}.restore_fences"] = int(status.get("restore_fences", 0))
+                left[f"{server.name}.live"] = live
+        ledger = root / "ledger"
+        left["live_ledgers"] = len(list(ledger.glob("*.lineage.jsonl"))) if ledger.exists() else 0
+        return left
+
+    @staticmethod
+    async def read_latest(root: Path) -> dict[str, Any]:
+        """The checkpoint ``LATEST`` points at, with its directory.
+
+        Raises:
+            FileNotFoundError: Nothing was published yet.
+        """
+        manifest = await anyio.to_thread.run_sync(read_latest, root)
+        if manifest is None:
+            raise FileNotFoundError(f"no published checkpoint under {root}")
+        data: dict[str, Any] = manifest.model_dump(mode="json")
+        data["checkpoint_dir"] = str(checkpoint_directory(root, manifest.checkpoint_id))
+        return data

@@ -1,0 +1,499 @@
+"""The rollout driver: the training controller of the drill, run as its own process.
+
+It dispatches ``/run`` per rollout, checkpoints while model calls are in flight, and after a crash
+rolls its own state back to the restored checkpoint, restores the servers, re-dispatches the
+continued episodes as their next attempt, retires every other logged unfinished attempt before
+running it again, and probes the fenced attempts on every participant kind. Everything it does
+is logged (fsynced) to ``<root>/evidence/driver.jsonl`` before it acts on it.
+
+The drill talks to it through stdout lines: ``checkpointed <id>``, ``crash-point`` (kill me now)
+and ``done``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+
+from protocols import EpisodeId
+
+from .._servers.cluster import Cluster, read_cluster
+from .._servers.evidence import EvidenceLog, read_evidence
+from .._servers.peer_pool import PEER_POOL
+from .control import ControlSession
+from .probes import ResourcesProbe, probe_requests
+
+DEADLINE_SECONDS = 30.0
+CUT_RETRIES = 6
+"""Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
+D232); the last try is published whatever it carries."""
+
+
+@dataclass(frozen=True)
+class DriverPlan:
+    """What one driver process does before it exits or asks to be crashed."""
+
+    rollouts: list[str]
+    task_input: dict[str, Any]
+    phase: int
+    checkpoints: int
+    crash_after: bool
+    concurrency: int = 4
+    fault: str | None = None
+    commit_delay_s: float = 0.3
+    restart_only_rollouts: list[str] = field(default_factory=list)
+    restart_environment: str = ""
+
+    @classmethod
+    def load(cls, path: Path) -> DriverPlan:
+        """Read a plan file."""
+        return cls(**json.loads(path.read_text()))
+
+
+@dataclass
+class ControllerState:
+    """The controller's own state, checkpointed with the participants'."""
+
+    accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attempts: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"accepted": self.accepted, "attempts": self.attempts}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ControllerState:
+        return cls(accepted=dict(data.get("accepted", {})), attempts=dict(data.get("attempts", {})))
+
+
+def _task(rollout: str, task_input: Mapping[str, Any]) -> dict[str, Any]:
+    return {"task_id": {"taskset": "counter", "task_id": rollout}, "task_input": dict(task_input)}
+
+
+class Driver:
+    """One incarnation of the controller."""
+
+    def __init__(self, root: Path, cluster: Cluster, plan: DriverPlan, token: str) -> None:
+        self.root = root
+        self.cluster = cluster
+        self.plan = plan
+        self.token = token
+        self.evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
+        self.state = ControllerState()
+        self.in_flight: dict[str, int] = {}
+        self.settling: dict[str, int] = {}  # replied with a result, being accepted
+        # Restored attempts not yet running: every commit names them (their replacement attempt)
+        # until they start, or the commit deletes their restored state (control-plane §5).
+        self.owed: dict[str, int] = {}
+        self.done_events: dict[str, anyio.Event] = {}
+        self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
+        self.control = ControlSession(cluster, token)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL)
+        self.wake = anyio.Event()
+        self.retired: dict[str, int] = {}
+        self.last_cuts: list[str] = []
+        self.abandoned = 0  # commits abandoned for want of a cut (this incarnation, one phase)
+
+    async def log(self, event: dict[str, Any]) -> None:
+        """Append one evidence line (fsynced) before acting on it."""
+        await anyio.to_thread.run_sync(self.evidence.append, {**event, "t": time.time()})
+
+    @staticmethod
+    def say(line: str) -> None:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+    def say_progress(self) -> None:
+        """``progress <accepted>/<rollouts>``: what the drill's bar shows (after a rollback too)."""
+        self.say(f"progress {len(self.state.accepted)}/{len(self.plan.rollouts)}")
+
+    # ------------------------------------------------------------------ dispatch
+    async def run_rollout(self, rollout: str, attempt: int) -> None:
+        """Run a rollout to an accepted result; a retired straggler reruns as its next attempt."""
+        while True:
+            await self.run_attempt(rollout, attempt)
+            if rollout in self.state.accepted or self.retired.get(rollout, -1) < attempt:
+                return
+            attempt += 1
+            self.state.attempts[rollout] = attempt
+
+    async def run_attempt(self, rollout: str, attempt: int) -> None:
+        episode = EpisodeId(rollout_id=rollout, attempt=attempt)
+        self.in_flight[rollout] = attempt
+        if self.owed.get(rollout) == attempt:
+            del self.owed[rollout]  # in flight now: the scope names it from in_flight
+        self.done_events[rollout] = anyio.Event()
+        self.refused_events[rollout] = anyio.Event()
+        try:
+            await self.log({"event": "dispatch", "rollout": rollout, "attempt": attempt})
+            body = {
+                "episode_id": episode.model_dump(),
+                "task": _task(rollout, self.plan.task_input),
+            }
+            url = self.environment_url(rollout) + "/run"
+            while True:
+                refused = self.refused_events[rollout] = anyio.Event()
+                reply = await self.http.post(url, json=body)
+                code = _error_code(reply)
+                if code == "admission_closed":
+                    refused.set()  # not running anywhere: a commit need not wait for it
+                    await anyio.sleep(0.05)  # a checkpoint is open: same attempt after resume
+                    continue
+                break
+            if reply.status_code != 200 or "result" not in reply.json():
+                failure = reply.json().get("failure") if reply.status_code == 200 else None
+                await self.log(
+                    {
+                        "event": "run_failed",
+                        "rollout": rollout,
+                        "attempt": attempt,
+                        "status": reply.status_code,
+                        "code": code,
+                        "failure": failure,  # the episode's own failure (a 200 without result)
+                    }
+                )
+                return
+            result = reply.json()["result"]
+            # A retire waits for an episode in its final clean-up and lets its result through
+            # (control-plane §3.2 retire): an attempt this controller retired meanwhile is
+            # dropped, its ledger retired with it, and the rollout reruns as its next attempt.
+            if self.retired.get(rollout, -1) >= attempt:
+                await self.discard(episode, "retired while its reply was on the wire")
+                return
+            self.settling[rollout] = attempt  # no retire or forced block picks it from now on
+            manifest = await self.control.ledger_manifest(episode.capture_key)
+            if manifest is None:
+                await self.discard(episode, "its ledger was retired before the manifest was read")
+                return
+            await self.log(
+                {
+                    "event": "result",
+                    "rollout": rollout,
+                    "attempt": attempt,
+                    "reward": result["reward"],
+                    "manifest": manifest,
+                }
+            )
+            self.state.accepted[rollout] = {"attempt": attempt, "reward": result["reward"]}
+            self.say_progress()
+        finally:
+            if self.settling.get(rollout) == attempt:
+                del self.settling[rollout]
+            if self.in_flight.get(rollout) == attempt:
+                del self.in_flight[rollout]
+            self.done_events[rollout].set()
+            self.wake.set()
+
+    async def finished_or_refused(self, rollout: str) -> None:
+        """Wait until the rollout's attempt ends or its ``/run`` is refused at the closed
+        admission. A rollout left out of an export either finished (its reply is on the wire)
+        or never started: with hundreds in flight, some were dispatched while the checkpoint
+        held admission closed, and they finish only after the resume this commit precedes."""
+        done, refused = self.done_events[rollout], self.refused_events[rollout]
+        async with anyio.create_task_group() as group:
+
+            async def first(event: anyio.Event) -> None:
+                await event.wait()
+                group.cancel_scope.cancel()
+
+            group.start_soon(first, done)
+            group.start_soon(first, refused)
+
+    async def discard(self, episode: EpisodeId, why: str) -> None:
+        """Log that a result of ``episode`` was not accepted, and why."""
+        await self.log(
+            {
+                "event": "run_discarded",
+                "rollout": episode.rollout_id,
+                "attempt": episode.attempt,
+                "why": why,
+            }
+        )
+
+    def retirable(self) -> list[tuple[str, int]]:
+        """In-flight and owed attempts a retire may pick: not one whose result is being accepted."""
+        attempts = {**self.owed, **self.in_flight}
+        return sorted((r, a) for r, a in attempts.items() if self.settling.get(r) != a)
+
+    def environment_url(self, rollout: str) -> str:
+        """The environment that runs ``rollout``: the restart-only share has its own."""
+        if rollout in self.plan.restart_only_rollouts:
+            for server in self.cluster.servers:
+                if server.name == self.plan.restart_environment:
+                    return server.url
+            raise LookupError(f"the cluster file lists no {self.plan.restart_environment}")
+        return self.cluster.url_of("environment")
+
+    # ------------------------------------------------------------------ checkpoint
+    def finished(self) -> bool:
+        """Whether every rollout of the plan has an accepted result."""
+        return all(rollout in self.state.accepted for rollout in self.plan.rollouts)
+
+    async def wait_for_model_calls_in_flight(self) -> bool:
+        """Wait (bounded) until the policy server is generating; False when everything finished."""
+        with anyio.move_on_after(60.0):
+            while not self.finished():
+                if await self.control.model_calls_in_flight() > 0:
+                    return True
+                await anyio.sleep(0.01)
+        return False
+
+    async def checkpoint(
+        self, index: int, *, block: float | None = None, need_cut: bool = False
+    ) -> bool:
+        """Take checkpoint ``index`` of this phase; False when it was not published.
+
+        ``block`` forces the rarer outcome: the controller treats the prepare as blocked by the
+        attempt of its scope that ``block`` (in [0, 1)) picks, and does what it does for a real
+        straggler (control-plane §3.4.1: resume, retire it, dispatch its next attempt).
+        ``need_cut``: a commit that exported episodes but carries no generation cut is abandoned
+        before publication (resumed, its directory removed), so that the checkpoint a crash
+        restores has a cut to continue and the published count stays what the plan asked for
+        (D155, D232, D247).
+        """
+        checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
+        directory = self.control.checkpoint_dir(self.root, checkpoint_id)
+        deadline = time.time() + DEADLINE_SECONDS
+        scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
+        prepared = await self.control.prepare(checkpoint_id, deadline)
+        forced: list[EpisodeId] = []
+        candidates = self.retirable()  # none finished meanwhile, none being accepted
+        if block is not None and prepared.prepared and candidates:
+            rollout, attempt = candidates[min(len(candidates) - 1, int(block * len(candidates)))]
+            forced = [EpisodeId(rollout_id=rollout, attempt=attempt)]
+        if not prepared.prepared or forced:
+            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            stragglers = forced or prepared.blocking_episodes()
+            await self.log(
+                {
+                    "event": "prepare_blocked",
+                    "id": checkpoint_id,
+                    "blockers": [e.capture_key for e in stragglers],
+                    "forced": bool(forced),
+                }
+            )
+            if stragglers:
+                for episode in stragglers:
+                    self.retired[episode.rollout_id] = episode.attempt
+                await self.control.retire(f"retire-{checkpoint_id}", stragglers)
+            return False
+        # A controller saves its own state between prepare and commit; meanwhile the generations
+        # in flight finish and their responses are held, so the commit must leave their rows out.
+        await anyio.sleep(self.plan.commit_delay_s)
+        # A rollout some server cannot capture (a restart-only resources server) stays out of the
+        # commit scope: after a crash it is retired and run again from its input.
+        restarts = {e.capture_key for e in prepared.restarts()}
+        in_scope = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
+        episodes = prepared.continued(in_scope)
+        commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
+        self.last_cuts = commit.generation_cut_episodes()
+        # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
+        if need_cut and not self.last_cuts and commit.environment_episode_ids():
+            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
+            self.abandoned += 1
+            return False
+        exported = set(commit.environment_episode_ids())
+        for rollout, attempt in scope.items():  # replies already on the wire finish first
+            key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
+            if key not in exported and key not in restarts and rollout in self.done_events:
+                with anyio.move_on_after(DEADLINE_SECONDS):
+                    await self.finished_or_refused(rollout)
+        continued = [e for e in episodes if e.capture_key in exported]
+        state = ControllerState(
+            accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)
+        )
+        await self.control.publish(self.root, checkpoint_id, commit, continued, state.to_json())
+        await self.log(
+            {
+                "event": "checkpoint",
+                "id": checkpoint_id,
+                "dir": str(directory),
+                "scope": [e.capture_key for e in episodes],
+                "continued": [e.capture_key for e in continued],
+                "restarts": sorted(restarts),
+                "generation_cuts": self.last_cuts,
+            }
+        )
+        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        self.say(f"checkpointed {checkpoint_id}")
+        return True
+
+    # ------------------------------------------------------------------ recovery
+    async def recover(self) -> list[tuple[str, int]]:
+        """Restore from LATEST; return the (rollout, attempt) pairs to dispatch first."""
+        latest = await self.control.read_latest(self.root)
+        self.state = ControllerState.from_json(latest["controller_state"])
+        restarts = self.restarts_of(latest["checkpoint_id"])
+        continued = [EpisodeId.model_validate(e) for e in latest["continued"]]
+        restore_id = f"restore-{self.plan.phase}"
+        restored: list[str] = []
+        if self.plan.fault != "rerun-from-input":
+            restored = await self.control.restore(
+                restore_id,
+                time.time() + DEADLINE_SECONDS,
+                Path(latest["checkpoint_dir"]),
+                continued,
+            )
+            await self.control.resume(restore_id, time.time() + DEADLINE_SECONDS)
+        await self.log(
+            {
+                "event": "restore",
+                "checkpoint_id": latest["checkpoint_id"],
+                "checkpoint_dir": latest["checkpoint_dir"],
+                "restored": restored,
+                "checkpoint_t": latest.get("created_at", 0.0),
+            }
+        )
+        logged: dict[str, int] = {}
+        for event in read_evidence(self.evidence.path):
+            if event.get("event") == "dispatch":
+                logged[event["rollout"]] = max(logged.get(event["rollout"], -1), event["attempt"])
+        continued_rollouts = {e.rollout_id for e in continued} if restored else set()
+        to_retire = [
+            EpisodeId(rollout_id=r, attempt=a)
+            for r, a in sorted(logged.items())
+            if r not in self.state.accepted and r not in continued_rollouts
+        ]
+        if to_retire:
+            await self.control.retire(f"retire-{restore_id}", to_retire)
+        restarted = sorted(e.capture_key for e in to_retire if e.rollout_id in restarts)
+        await self.log({"event": "restarted", "crash": self.plan.phase, "rollouts": restarted})
+        await self.probe_stale([*continued[:2], *to_retire[:1]])
+        plan: list[tuple[str, int]] = []
+        for episode in continued:
+            if episode.rollout_id in continued_rollouts:
+                plan.append((episode.rollout_id, episode.attempt + 1))
+                self.owed[episode.rollout_id] = episode.attempt + 1
+        for episode in to_retire:
+            plan.append((episode.rollout_id, episode.attempt + 1))
+        return plan
+
+    def restarts_of(self, checkpoint_id: str) -> set[str]:
+        """The rollouts the checkpoint ``checkpoint_id`` reported as restarts (from evidence)."""
+        return {
+            EpisodeId.from_capture_key(key).rollout_id
+            for event in read_evidence(self.evidence.path)
+            if event.get("event") == "checkpoint" and event.get("id") == checkpoint_id
+            for key in event.get("restarts", [])
+        }
+
+    async def probe_stale(self, fenced: list[EpisodeId]) -> None:
+        """Send late requests of fenced attempts to every participant kind; log each answer."""
+        for episode in fenced:
+            await self.send_probes(episode, "tool", within=60.0)
+
+    async def send_probes(
+        self,
+        episode: EpisodeId,
+        resources: ResourcesProbe,
+        *,
+        within: float,
+        after: str | None = None,
+    ) -> dict[str, tuple[int, str | None]]:
+        """Probe every kind with a late request of ``episode``; log and return (status, code)."""
+        task = _task(episode.rollout_id, self.plan.task_input)
+        answers: dict[str, tuple[int, str | None]] = {}
+        for kind, (url, body, headers) in probe_requests(
+            self.cluster, episode, task, resources
+        ).items():
+            with anyio.fail_after(within):
+                reply = await self.http.post(url, json=body, headers=headers)
+            code = _error_code(reply)
+            event = {
+                "event": "stale_probe",
+                "crash": self.plan.phase,
+                "kind": kind,
+                "key": episode.capture_key,
+                "status": reply.status_code,
+                "code": code,
+                "accepted": reply.status_code < 400,
+            }
+            await self.log(event if after is None else {**event, "after": after})
+            answers[kind] = (reply.status_code, code)
+        return answers
+
+    # ------------------------------------------------------------------ the run
+    async def run(self) -> None:
+        first: list[tuple[str, int]] = []
+        if self.plan.phase > 0:
+            first = await self.recover()
+        self.say_progress()
+        async with anyio.create_task_group() as group:
+            pending = [r for r in self.plan.rollouts if r not in self.state.accepted]
+            queued = dict(first)
+            for rollout in pending:
+                queued.setdefault(rollout, self.state.attempts.get(rollout, 0))
+            order = [r for r, _ in first] + [r for r in pending if r not in dict(first)]
+
+            async def dispatcher() -> None:
+                for rollout in order:
+                    while len(self.in_flight) >= self.plan.concurrency:
+                        self.wake = anyio.Event()
+                        await self.wake.wait()
+                    attempt = queued[rollout]
+                    self.state.attempts[rollout] = attempt
+                    group.start_soon(self.run_rollout, rollout, attempt)
+                    await anyio.lowlevel.checkpoint()
+
+            group.start_soon(dispatcher)
+            taken = index = 0
+            while taken < self.plan.checkpoints:
+                if not await self.wait_for_model_calls_in_flight():
+                    break
+                # The checkpoint a crash restores should carry a generation cut, or the run
+                # cannot show one continued; on a busy machine the calls may all finish before
+                # admission closes, so that commit is abandoned and taken again (bounded).
+                last = taken == self.plan.checkpoints - 1 and self.plan.crash_after
+                need_cut = last and self.abandoned < CUT_RETRIES
+                if await self.checkpoint(index, need_cut=need_cut):
+                    taken += 1
+                index += 1
+                await anyio.sleep(0.05)
+            if self.plan.crash_after:
+                await anyio.sleep(0.2)  # let some calls be delivered after the checkpoint
+                self.say("crash-point")
+                await anyio.sleep_forever()
+        await self.finish()
+
+    async def finish(self) -> None:
+        """Retire every finished attempt, forget, check that nothing is left, log the final state."""
+        retire = [
+            EpisodeId(rollout_id=r, attempt=v["attempt"])
+            for r, v in sorted(self.state.accepted.items())
+        ]
+        if retire:
+            await self.control.retire("retire-final", retire)
+            await self.control.forget("forget-final", sorted(self.state.accepted))
+        leftover = await self.control.leftover(self.root)
+        await self.log({"event": "final", "accepted": self.state.accepted, "leftover": leftover})
+        self.say("done")
+
+
+def _error_code(reply: httpx.Response) -> str | None:
+    if reply.status_code < 400:
+        return None
+    try:
+        body = reply.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    return error.get("code") if isinstance(error, dict) else None
+
+
+def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
+    """Run one driver incarnation (``midflight drill-driver``)."""
+    token = os.environ["MIDFLIGHT_CONTROL_TOKEN"]
+    driver = Driver(root, read_cluster(cluster_path), DriverPlan.load(plan_path), token)
+    anyio.run(driver.run)

@@ -1,0 +1,361 @@
+"""``midflight drill``: the crash-restore drill.
+
+1. **Baseline**: the same rollouts on a fresh cluster, no checkpoint, no crash.
+2. **Run**: the rollouts again with checkpoints taken while model calls are in flight, and a SIGKILL
+   of every server process (and of the controller) after some of them; each time fresh processes
+   start on the same run root and the controller restores from the last published checkpoint.
+3. **Oracle**: the figures, computed from evidence, against the baseline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from .._launch.lifeline import Lifeline
+from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
+from .._servers.evidence import EvidenceLog
+from .oracle import Figures, compute_figures, rollout_outcomes
+
+FAULTS = {
+    "rerun-from-input": "repeated_model_calls",
+    "skip-ledger-import": "token_mismatches",
+    "no-restore-fence": "stale_accepted",
+    "export-undelivered": "repeated_model_calls",
+    "ignore-cuts": "extra_tokens_generated",
+}
+"""Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``)."""
+
+RESTART_AGENT: Final = "agent-restart"
+RESTART_ENVIRONMENT: Final = "environment-restart"
+"""The second agent (restart-only) and the environment that drives it."""
+
+
+class DrillStalledError(RuntimeError):
+    """A phase's controller exited early or made no progress within the phase timeout."""
+
+
+MAX_DEFAULT_CONCURRENCY: Final = 256
+
+
+def default_concurrency(rollouts: int) -> int:
+    """Rollouts in flight when ``--concurrency`` is not given: 4 for the small drills, a quarter
+    of the rollouts for the large ones (at most 256), so a thousand rollouts run hundreds at a
+    time through real processes instead of four at a time."""
+    return max(4, min(rollouts // 4, MAX_DEFAULT_CONCURRENCY))
+
+
+@dataclass(frozen=True)
+class DrillOptions:
+    """What ``midflight drill`` runs."""
+
+    rollouts: int = 8
+    checkpoints: int = 3
+    crashes: int = 2
+    seed: int = 0
+    token_delay_ms: float = 4.0
+    activations: int = 2
+    turns: int = 2
+    max_tokens: int = 32
+    concurrency: int = 4
+    fault: str | None = None
+    phase_timeout_s: float = 120.0
+    """How long a phase's controller may stay silent (it prints a line per accepted rollout)."""
+    verify: str = "wait"
+    resources_mode: str = "exported"
+    restart_only_share: float = 0.2
+    workers: int = 1
+
+    def task_input(self) -> dict[str, int]:
+        """The counter task every rollout runs (what its tokens and reward depend on)."""
+        return {
+            "activations": self.activations,
+            "turns": self.turns,
+            "max_tokens": self.max_tokens,
+            "seed": self.seed,
+        }
+
+
+MULTI_WORKER_ROLES: Final = ("model", "resources", "agent", "environment")
+"""The roles ``--workers N`` runs with N worker processes (the others keep one)."""
+
+
+def worker_options(workers: int) -> dict[str, Any]:
+    """The role option that asks for ``workers`` processes; none for the single-process path."""
+    return {"workers": workers} if workers > 1 else {}
+
+
+def restart_only_rollouts(rollouts: list[str], share: float) -> list[str]:
+    """The rollouts run through the restart-only agent: ``round(share * n)``, at least one for a
+    positive share, spread evenly over the list."""
+    if share <= 0 or not rollouts:
+        return []
+    count = min(len(rollouts), max(1, round(share * len(rollouts))))
+    return [rollouts[(k * len(rollouts)) // count] for k in range(count)]
+
+
+class DriverProcess:
+    """One controller incarnation as its own process group, spoken to through stdout lines."""
+
+    def __init__(
+        self,
+        root: Path,
+        cluster: Path,
+        plan: dict[str, Any],
+        env: dict[str, str],
+        *,
+        command: str = "drill-driver",
+    ) -> None:
+        plan_path = root / f"plan-{plan['phase']}.json"
+        plan_path.write_text(json.dumps(plan))
+        log = open(root / "logs" / f"driver-{plan['phase']}.log", "ab")  # noqa: SIM115
+        self._log = log
+        self.lifeline = Lifeline()  # the controller dies with the drill, however it dies (D242)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "e2e",
+                command,
+                "--root",
+                str(root),
+                "--cluster",
+                str(cluster),
+                "--plan",
+                str(plan_path),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **env, **self.lifeline.env},
+            start_new_session=True,
+            pass_fds=self.lifeline.pass_fds,
+        )
+        self.lifeline.started()
+        self._buffer = b""
+
+    def lines(self, timeout: float, on_line: Callable[[str], None]) -> Iterator[str]:
+        """The lines the process prints (each passed to ``on_line`` first), until it closes its
+        output or ``timeout`` passes; what follows the last line read stays buffered."""
+        assert self.process.stdout is not None
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.process.stdout, selectors.EVENT_READ)
+            while (remaining := deadline - time.monotonic()) > 0:
+                while b"\n" in self._buffer:
+                    line, self._buffer = self._buffer.split(b"\n", 1)
+                    text = line.decode(errors="replace").strip()
+                    on_line(text)
+                    yield text
+                if not selector.select(remaining):
+                    continue
+                chunk = os.read(self.process.stdout.fileno(), 4096)
+                if not chunk:
+                    return
+                self._buffer += chunk
+
+    def wait_for(self, word: str, timeout: float, on_line: Callable[[str], None]) -> bool:
+        """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
+        return any(text == word for text in self.lines(timeout, on_line))
+
+    def wait_for_progressing(self, word: str, stall: float, on_line: Callable[[str], None]) -> bool:
+        """:meth:`wait_for`, but ``stall`` bounds the silence between two lines, not the whole
+        wait: a phase of a thousand rollouts may take long while it keeps printing progress."""
+        while True:
+            read = False
+            for text in self.lines(stall, on_line):
+                if text == word:
+                    return True
+                read = True
+                break  # a line came: the next one gets a whole stall again
+            if not read:
+                return False  # silent for the whole stall, or the process ended
+
+    def kill(self) -> None:
+        """SIGKILL the controller's process group."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.lifeline.cut()
+        self.process.wait(timeout=30)
+        if self.process.stdout is not None:
+            self.process.stdout.close()
+        self._log.close()
+
+
+def _phase_checkpoints(options: DrillOptions) -> list[int]:
+    """Spread the checkpoints over the phases; every phase before a crash gets at least one."""
+    phases = options.crashes + 1
+    counts = [0] * phases
+    for index in range(options.checkpoints):
+        counts[index % phases] += 1
+    for phase in range(options.crashes):
+        counts[phase] = max(counts[phase], 1)  # a crash needs a published checkpoint to restore
+    return counts
+
+
+def run_cluster(
+    root: Path,
+    options: DrillOptions,
+    *,
+    crashes: int,
+    checkpoints: list[int],
+    token: str,
+    on_line: Callable[[str], None],
+) -> None:
+    """Run every driver phase on one cluster, crashing between phases."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "logs").mkdir(exist_ok=True)
+    env = {"MIDFLIGHT_CONTROL_TOKEN": token}
+    if options.fault:
+        env["MIDFLIGHT_FAULT"] = options.fault
+    rollouts = [f"r{index:03d}" for index in range(options.rollouts)]
+    task_input = options.task_input()
+    evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
+    restart_only = restart_only_rollouts(rollouts, options.restart_only_share)
+    extra: tuple[ExtraServer, ...] = ()
+    if restart_only:
+        # The environment sends every episode to one agent, so the restart-only agent gets an
+        # environment of its own; the driver sends it the restart-only share.
+        extra = (
+            ExtraServer(RESTART_AGENT, "agent", {"restart_only": True}),
+            ExtraServer(RESTART_ENVIRONMENT, "environment", peers={"agent": RESTART_AGENT}),
+        )
+    workers = worker_options(options.workers)
+    if workers and restart_only:
+        extra = tuple(
+            ExtraServer(e.name, e.role, {**e.options, **workers}, e.peers)
+            if e.role in MULTI_WORKER_ROLES
+            else e
+            for e in extra
+        )
+    supervisor_options = SupervisorOptions(
+        role_options={
+            "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
+            "resources": {"mode": options.resources_mode, "verify": options.verify, **workers},
+            **{role: dict(workers) for role in MULTI_WORKER_ROLES if role != "resources"},
+        },
+        env=env,
+        extra_servers=extra,
+    )
+    with Supervisor(root, token, supervisor_options) as supervisor:
+        for phase in range(crashes + 1):
+            crash_after = phase < crashes
+            plan = {
+                "rollouts": rollouts,
+                "task_input": task_input,
+                "phase": phase,
+                "checkpoints": checkpoints[phase] if phase < len(checkpoints) else 0,
+                "crash_after": crash_after,
+                "concurrency": options.concurrency,
+                "fault": options.fault,
+                "restart_only_rollouts": restart_only,
+                "restart_environment": RESTART_ENVIRONMENT,
+            }
+            on_line(f"phase {phase + 1}/{crashes + 1}")
+            driver = DriverProcess(root, supervisor.cluster_path, plan, env)
+            try:
+                word = "crash-point" if crash_after else "done"
+                if not driver.wait_for_progressing(word, options.phase_timeout_s, on_line):
+                    raise DrillStalledError(
+                        f"the drill's controller did not reach {word!r} in phase {phase}: it "
+                        f"exited or printed nothing for {options.phase_timeout_s:g} s (its log "
+                        f"is {root / 'logs' / f'driver-{phase}.log'})"
+                    )
+            finally:
+                driver.kill()
+            if crash_after:
+                supervisor.kill_all()
+                evidence.append({"event": "crash", "phase": phase, "t": time.time()})
+                on_line(f"crash {phase + 1}: every server SIGKILLed")
+                supervisor.restart_all()
+
+
+BASELINE_MARKER = "baseline.json"
+"""Written into a baseline directory once its run finished: what its outcomes depend on."""
+
+
+def baseline_key(options: DrillOptions) -> dict[str, Any]:
+    """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing."""
+    return {"rollouts": options.rollouts, **options.task_input()}
+
+
+def _baseline(
+    options: DrillOptions, directory: Path, reuse: bool, token: str, on_line: Callable[[str], None]
+) -> float:
+    """Run the baseline into ``directory`` (or reuse a finished one); its wall time."""
+    marker = directory / BASELINE_MARKER
+    if reuse and marker.exists():
+        recorded = json.loads(marker.read_text())
+        if recorded["key"] != baseline_key(options):
+            raise ValueError(
+                f"the baseline in {directory} was run with {recorded['key']}, "
+                f"this drill needs {baseline_key(options)}"
+            )
+        on_line(f"baseline: reused from {directory}")
+        return float(recorded["wall_s"])
+    if directory.exists():
+        shutil.rmtree(directory)  # an unfinished baseline (no marker) is run again whole
+    started = time.monotonic()
+    run_cluster(
+        directory,
+        DrillOptions(**{**asdict(options), "fault": None}),
+        crashes=0,
+        checkpoints=[0],
+        token=token,
+        on_line=lambda line: on_line(f"baseline: {line}"),
+    )
+    wall = round(time.monotonic() - started, 3)
+    marker.write_text(json.dumps({"key": baseline_key(options), "wall_s": wall}))
+    return wall
+
+
+def run_drill(
+    options: DrillOptions,
+    work: Path,
+    on_line: Callable[[str], None],
+    *,
+    baseline_dir: Path | None = None,
+) -> Figures:
+    """The whole drill in ``work``: baseline, run, figures.
+
+    Args:
+        options: What to run.
+        work: The run's directory (``baseline/`` and ``run/`` under it).
+        on_line: Called with every progress line.
+        baseline_dir: Keep the baseline here and reuse it when it already holds a finished
+            baseline of the same rollouts and task input (D156).
+
+    Raises:
+        ValueError: ``baseline_dir`` holds a baseline of other rollouts or task input.
+    """
+    token = secrets.token_urlsafe(24)
+    directory = baseline_dir if baseline_dir is not None else work / "baseline"
+    baseline_wall = _baseline(options, directory, baseline_dir is not None, token, on_line)
+    baseline = rollout_outcomes(directory)
+    started = time.monotonic()
+    run_cluster(
+        work / "run",
+        options,
+        crashes=options.crashes,
+        checkpoints=_phase_checkpoints(options),
+        token=token,
+        on_line=on_line,
+    )
+    on_line("computing the figures from evidence")
+    figures = compute_figures(work / "run", baseline, rollouts=options.rollouts)
+    figures.values["wall_s"] = round(time.monotonic() - started, 3)
+    figures.values["baseline_wall_s"] = round(baseline_wall, 3)
+    figures.values["fault"] = options.fault
+    return figures

@@ -1,0 +1,1 @@
+"""Starting servers as real processes: spawn, supervise, serve one process or several, lifelines."""

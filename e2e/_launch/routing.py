@@ -1,0 +1,245 @@
+"""What a worker does before its app sees a request: relay, route, broadcast, aggregate.
+
+- ``/ng-control/v1/checkpoint/<operation>``: the bearer token is checked here, then the call is
+  relayed to the coordinator, which owns the control plane.
+- ``/ng-rollout/<capture_key>/…`` of a rollout another slot owns: proxied to that worker's private
+  port, so every request of a rollout meets the state its earlier requests left.
+- ``/close_session`` (named by a cookie only): sent to every other worker too; closing is
+  idempotent and never refused.
+- ``/metrics``: the coordinator's control-plane families, plus every worker's other families
+  summed sample by sample.
+- ``/healthz``: 503 until a worker runs in every slot, so "healthy" means a restore can be
+  served (D244); then the app's own answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any, Final
+
+import anyio
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from starlette.responses import JSONResponse, Response
+
+from participants import WorkerMember, authorized, error_response, slot_of
+from protocols import (
+    CONTROL_PREFIX,
+    CheckpointCoordinatorUnavailableError,
+    EpisodeId,
+    MidflightError,
+    UnauthorizedError,
+)
+
+from .._servers.peer_pool import PEER_POOL
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+ROUTED_HEADER: Final = "x-midflight-routed"
+"""Set on a request one worker passes to another: the receiver serves it, never passes it on."""
+BROADCAST_PATHS: Final = frozenset({"/close_session"})
+_HOP_HEADERS: Final = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+class WorkerRouting:
+    """The ASGI wrapper around a worker's app.
+
+    Args:
+        app: The role's app (its own control routes are never reached).
+        member: The worker's connection to the coordinator.
+        slot: This worker's slot.
+        peers: Every slot's private base URL, in slot order.
+        token: The control token; ``None`` leaves control routes uninstalled (404).
+    """
+
+    def __init__(
+        self, app: ASGIApp, *, member: WorkerMember, slot: int, peers: list[str], token: str | None
+    ) -> None:
+        self.app = app
+        self.member = member
+        self.slot = slot
+        self.peers = peers
+        self.token = token
+        self._client: httpx.AsyncClient | None = None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = proxy_client()
+        return self._client
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        headers = {k.decode().lower(): v.decode() for k, v in scope.get("headers", [])}
+        routed = ROUTED_HEADER in headers
+        if path.startswith(CONTROL_PREFIX + "/") and self.token is not None:
+            await self._relay_control(scope, receive, send, headers)
+        elif path == "/metrics" and not routed:
+            await self._metrics(scope, receive, send)
+        elif path == "/healthz" and not routed:
+            await self._health(scope, receive, send)
+        elif not routed and (owner := self._owner(path)) is not None and owner != self.slot:
+            await self._proxy(scope, receive, send, self.peers[owner])
+        elif not routed and path in BROADCAST_PATHS:
+            body = await _read_body(receive)
+            async with anyio.create_task_group() as group:
+                for slot, peer in enumerate(self.peers):
+                    if slot != self.slot:
+                        group.start_soon(self._forward_quietly, scope, body, peer)
+            await self.app(scope, _replay(body), send)
+        else:
+            await self.app(scope, receive, send)
+
+    def _owner(self, path: str) -> int | None:
+        parts = path.split("/")
+        if len(parts) < 3 or parts[1] != "ng-rollout":
+            return None
+        try:
+            rollout = EpisodeId.from_capture_key(parts[2]).rollout_id
+        except (MidflightError, ValueError):
+            return None  # the app refuses it with its own typed error
+        return slot_of(rollout, len(self.peers))
+
+    async def _relay_control(
+        self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]
+    ) -> None:
+        if not authorized(headers.get("authorization"), self.token or ""):
+            response: Response = error_response(UnauthorizedError("missing or wrong bearer token"))
+        else:
+            operation = scope["path"][len(CONTROL_PREFIX) + 1 :]
+            body = await _read_body(receive)
+            try:
+                reply = await self.member.relay_control(operation, body)
+                response = JSONResponse(reply)
+            except MidflightError as exc:
+                response = error_response(exc)
+        await response(scope, receive, send)
+
+    def _request(self, scope: Scope, body: bytes, peer: str) -> httpx.Request:
+        headers = [
+            (k.decode(), v.decode())
+            for k, v in scope.get("headers", [])
+            if k.decode().lower() not in _HOP_HEADERS
+        ]
+        headers.append((ROUTED_HEADER, "1"))
+        url = peer + scope["path"]
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode()
+        return self.client.build_request(scope["method"], url, headers=headers, content=body)
+
+    async def _proxy(self, scope: Scope, receive: Receive, send: Send, peer: str) -> None:
+        body = await _read_body(receive)
+        try:
+            reply = await self.client.send(self._request(scope, body, peer), stream=True)
+        except httpx.TransportError as exc:  # a typed, retryable refusal, never a bare 500
+            refusal = error_response(
+                CheckpointCoordinatorUnavailableError(
+                    f"worker slot {peer} did not answer the routed request: {exc!r}"[:500]
+                )
+            )
+            await refusal(scope, receive, send)
+            return
+        try:
+            headers = [
+                (k.encode(), v.encode())
+                for k, v in reply.headers.multi_items()
+                if k.lower() not in _HOP_HEADERS
+            ]
+            await send(
+                {"type": "http.response.start", "status": reply.status_code, "headers": headers}
+            )
+            async for chunk in reply.aiter_raw():
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            await reply.aclose()
+
+    async def _forward_quietly(self, scope: Scope, body: bytes, peer: str) -> None:
+        try:
+            with anyio.fail_after(30):
+                await self.client.send(self._request(scope, body, peer))
+        except (httpx.HTTPError, TimeoutError):
+            pass  # closing is idempotent: a worker that misses it holds nothing of the session
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            health = await self.member.health()
+        except (MidflightError, RuntimeError) as exc:  # a broken link, or not connected yet
+            health = {"ready": False, "detail": f"the coordinator did not answer: {exc!r}"}
+        if health.get("ready"):
+            await self.app(scope, receive, send)
+            return
+        response = JSONResponse({"status": "starting", **health}, status_code=503)
+        await response(scope, receive, send)
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        texts: list[str] = await self.member.channel.request("metrics", None, within=30.0)
+        response = Response(aggregate_metrics(texts[0], texts[1:]), media_type="text/plain")
+        await response(scope, receive, send)
+
+
+def _replay(body: bytes) -> Receive:
+    sent = False
+
+    async def receive() -> Message:
+        nonlocal sent
+        if sent:
+            return {"type": "http.disconnect"}
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+
+    return receive
+
+
+def aggregate_metrics(coordinator: str, workers: list[str]) -> str:
+    """One exposition: the coordinator's families as they are, the workers' others summed."""
+    own = {family.name for family in text_string_to_metric_families(coordinator)}
+    summed: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    kinds: dict[str, tuple[str, str]] = {}
+    for text in workers:
+        for family in text_string_to_metric_families(text):
+            if family.name in own:
+                continue
+            kinds[family.name] = (family.type, family.documentation)
+            samples = summed.setdefault(family.name, {})
+            for sample in family.samples:
+                if sample.name.endswith("_created"):
+                    continue  # a creation time does not add up across processes
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                samples[key] = samples.get(key, 0.0) + sample.value
+    lines = [coordinator.rstrip("\n")]
+    for name in sorted(summed):
+        kind, documentation = kinds[name]
+        lines.append(f"# HELP {name} {documentation}")
+        lines.append(f"# TYPE {name} {kind}")
+        for (sample_name, labels), value in sorted(summed[name].items()):
+            rendered = ",".join(f'{k}="{v}"' for k, v in labels)
+            lines.append(
+                f"{sample_name}{{{rendered}}} {value!r}" if labels else f"{sample_name} {value!r}"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def proxy_client() -> httpx.AsyncClient:
+    """The client a worker proxies other slots' requests with (held calls wait long)."""
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
+        follow_redirects=False,
+        limits=PEER_POOL,
+    )

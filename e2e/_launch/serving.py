@@ -1,0 +1,83 @@
+"""Running one reference server process: bind, announce the port, serve.
+
+A server binds its port itself (``--port 0`` picks a free one), listens, and only then prints
+``listening on http://127.0.0.1:<port>`` on stdout, so a supervisor can read the port and connect
+at once. After that line, everything the server prints goes to stderr (its log). With several
+worker processes the main process binds and hands the work to them (``processes``).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Any, NoReturn
+
+import structlog
+import typer
+import uvicorn
+
+from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
+from .processes import is_worker_process, run_coordinator, run_worker
+from .sockets import PortInUseError, bind_listening_socket
+
+
+def configure_server_logging() -> None:
+    """Structured JSON logs on stderr (the server's log file); stdout carries only the port line."""
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.dict_tracebacks,
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        cache_logger_on_first_use=True,
+    )
+    logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
+
+
+def _refuse_port(exc: PortInUseError) -> NoReturn:
+    # A usage error, not a crash: one line naming the port, exit 2, no traceback.
+    sys.stderr.write(f"error: {exc.strerror} (choose another --port, or 0 for a free one)\n")
+    sys.stderr.flush()
+    raise typer.Exit(2)
+
+
+def warn_if_control_is_off(options: ServeContext | int) -> None:
+    """Say at start-up that a server without a control token takes no part in checkpoints."""
+    if isinstance(options, ServeContext) and options.control_token is None:
+        structlog.get_logger("midflight.serve").warning(
+            "control_routes_disabled",
+            server=options.name,
+            detail=f"{CONTROL_TOKEN_ENV} is not set: no control route is installed, so this "
+            "server takes no part in checkpoints, restores or generation cuts",
+        )
+
+
+def run_server(app: Any, options: ServeContext | int) -> None:
+    """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
+    port = options if isinstance(options, int) else options.port
+    configure_server_logging()
+    if isinstance(options, ServeContext) and options.workers > 1:
+        if is_worker_process():
+            run_worker(app, options)
+            return
+        warn_if_control_is_off(options)
+        try:
+            run_coordinator(app, options)
+        except PortInUseError as exc:
+            _refuse_port(exc)
+        return
+    warn_if_control_is_off(options)
+    try:
+        sock = bind_listening_socket(port)
+    except PortInUseError as exc:
+        _refuse_port(exc)
+    with sock:
+        bound = sock.getsockname()[1]
+        sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
+        sys.stdout.flush()
+        # Nobody reads stdout after the port line: anything printed later must not fill the pipe.
+        sys.stdout = sys.stderr
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="auto")
+        uvicorn.Server(config).run(sockets=[sock])

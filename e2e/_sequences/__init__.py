@@ -1,0 +1,1 @@
+"""The random-sequence suites: generated plans of operations run against real servers."""

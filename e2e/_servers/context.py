@@ -1,0 +1,96 @@
+"""What a reference server needs to start: its name and port, the run root, its peers, its tokens.
+
+The control token comes from ``MIDFLIGHT_CONTROL_TOKEN``; without it no control route is
+installed. The capture token (ledger routes) comes from ``MIDFLIGHT_CAPTURE_TOKEN`` and defaults
+to the control token. ``control_settings`` turns a context into the control plane's settings,
+the drill's fault switches included.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+from participants import ControlSettings
+from protocols import DEFAULT_LEASE_GRACE_SECONDS
+
+from .cluster import Cluster, Role, default_cluster, read_cluster
+
+HOST: Final = "127.0.0.1"
+CONTROL_TOKEN_ENV: Final = "MIDFLIGHT_CONTROL_TOKEN"  # noqa: S105 - the variable name, not a token
+CAPTURE_TOKEN_ENV: Final = "MIDFLIGHT_CAPTURE_TOKEN"  # noqa: S105 - the variable name, not a token
+DEFAULT_ROOT: Final = Path("midflight-run")
+
+
+@dataclass(frozen=True)
+class ServeContext:
+    """What a role needs to start: its name and port, the run root, its peers and tokens."""
+
+    name: str
+    port: int
+    root: Path
+    cluster: Cluster
+    control_token: str | None
+    capture_token: str | None
+    workers: int = 1
+    checkpoint_root: Path | None = None
+
+    @property
+    def checkpoints_under(self) -> Path:
+        """The checkpoint root: ``checkpoint_root`` when given, else the run root (D240)."""
+        return (self.checkpoint_root or self.root).resolve()
+
+    def peer_url(self, role: Role) -> str:
+        """The URL of the peer of ``role`` (from the cluster file, else its default port)."""
+        return self.cluster.url_of(role)
+
+
+def serve_options_from(
+    *,
+    name: str,
+    port: int,
+    cluster: Path | None,
+    root: Path | None,
+    workers: int = 1,
+    checkpoint_root: Path | None = None,
+) -> ServeContext:
+    """Resolve the shared options of ``serve <role>``."""
+    parsed = read_cluster(cluster) if cluster is not None else None
+    run_root = (root or (parsed.root if parsed else DEFAULT_ROOT)).resolve()
+    control = os.environ.get(CONTROL_TOKEN_ENV) or None
+    capture = os.environ.get(CAPTURE_TOKEN_ENV) or control
+    return ServeContext(
+        name=name,
+        port=port,
+        root=run_root,
+        cluster=parsed if parsed is not None else default_cluster(run_root),
+        control_token=control,
+        capture_token=capture,
+        workers=workers,
+        checkpoint_root=None if checkpoint_root is None else checkpoint_root.resolve(),
+    )
+
+
+FAULT_ENV: Final = "MIDFLIGHT_FAULT"
+LEASE_GRACE_ENV: Final = "MIDFLIGHT_LEASE_GRACE_SECONDS"
+"""Test flag: a shorter lease grace, so a test can watch a lease expire (D157)."""
+
+
+def active_fault() -> str | None:
+    """The drill fault switch this server runs with (``MIDFLIGHT_FAULT``), if any."""
+    return os.environ.get(FAULT_ENV) or None
+
+
+def control_settings(ctx: ServeContext) -> ControlSettings:
+    """The control-plane settings of a reference server (faults included).
+
+    Commit and restore are confined to ``ctx.checkpoints_under`` (D240).
+    """
+    grace = os.environ.get(LEASE_GRACE_ENV)
+    return ControlSettings(
+        fence_on_restore=active_fault() != "no-restore-fence",
+        lease_grace_seconds=float(grace) if grace else DEFAULT_LEASE_GRACE_SECONDS,
+        checkpoint_root=ctx.checkpoints_under,
+    )

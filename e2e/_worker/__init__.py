@@ -1,0 +1,1 @@
+"""The deterministic inference worker: generations, staging, generation cuts."""

@@ -52,9 +52,10 @@ from ._ledger.cache import (
     RowCache,
 )
 from ._ledger.common import CAPTURE_FILE_SUFFIXES
-from ._ledger.file import RETIRE_STEPS, FileCaptureLedger
+from ._ledger.file import FileCaptureLedger
 from ._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger.memory import MemoryCaptureLedger
+from ._ledger.removal import RETIRE_STEPS
 from ._ledger.routes import ledger_control_router
 from ._model.cuts import CutRequester, generation_cut_restart_reason
 from ._model.fanout import ModelCoordinator
@@ -93,14 +94,10 @@ from ._runtime.telemetry import (
     ControlTelemetry,
     GenerationCutTelemetry,
 )
-from ._staging.calls import (
-    ActiveCall,
-    CaptureAdapter,
-    CaptureError,
-    RolloutTokenCapture,
-    StreamingUnsupportedError,
-    rebuild_generation_cut,
-)
+from ._staging.calls import RolloutTokenCapture
+from ._staging.errors import CaptureError, StreamingUnsupportedError
+from ._staging.prefix import rebuild_generation_cut
+from ._staging.records import ActiveCall, CaptureAdapter
 from ._staging.store import FileTokenStagingStore, put_entries
 from ._storage.checkpoint_store import (
     WRITE_STEPS,

@@ -9,8 +9,8 @@ chain and cumulative hashes recomputed from this call's own parent.
 
 :meth:`~RolloutTokenCapture.build_prefix_record` snapshots a live call without completing it (a
 cut stages that while decoding goes on); :meth:`~RolloutTokenCapture.build_generation_chunk_record`
-stages only what was generated since; :func:`rebuild_generation_cut` joins a cut's records back
-into one snapshot. :meth:`~RolloutTokenCapture.complete_call` builds, claims completion, stages and
+stages only what was generated since (``prefix`` rebuilds a cut's records into one snapshot and
+holds the checks ``begin_call`` runs). :meth:`~RolloutTokenCapture.complete_call` builds, claims completion, stages and
 answers commit coordinates; a capture failure never fails the completion itself. Every record's
 digest is computed once.
 """
@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from protocols import (
     CaptureAdmission,
@@ -34,124 +33,11 @@ from protocols import (
     staging_key,
 )
 
+from .errors import CaptureError, StreamingUnsupportedError
+from .prefix import check_generation_cut, resolve_prefix
+from .records import ActiveCall, CaptureAdapter, failed_coords, record_of
+
 _log = logging.getLogger(__name__)
-
-
-class CaptureError(Exception):
-    """A caller broke the capture lifecycle or handed over a prefix that does not belong.
-
-    These are caller bugs, never reasons to poison a call.
-    """
-
-
-class StreamingUnsupportedError(CaptureError):
-    """Staging covers whole responses only."""
-
-
-class CaptureAdapter(Protocol):
-    """Pulls capture material out of an engine's native response."""
-
-    def extract_prompt_ids(self, response: Any) -> list[int]:
-        """The exact prompt ids the engine decoded from."""
-
-    def extract_generation(self, response: Any) -> tuple[list[int], list[float]]:
-        """The generated ids and their log-probs."""
-
-    def extract_extras(self, response: Any) -> dict[str, Any] | None:
-        """Optional extras to stage with the record."""
-
-
-@dataclass
-class ActiveCall:
-    """One admitted call.
-
-    Attributes:
-        admission: The model server's contract for the call.
-        weight_version: The policy version generating now.
-        prefix_token_ids: The exact token prefix the engine prompt must start with (empty for a
-            text root).
-        generation_cut: The staged prefix this call continues, validated by ``begin_call``.
-        completed: Whether completion was claimed (once only).
-    """
-
-    admission: CaptureAdmission
-    weight_version: int
-    prefix_token_ids: list[int] = field(default_factory=list)
-    generation_cut: StagedCallRecord | None = None
-    completed: bool = field(default=False, init=False)
-
-    @property
-    def rollout_id(self) -> str:
-        """The capture key the call stages under."""
-        return self.admission.rollout_id
-
-    @property
-    def model_call_id(self) -> str:
-        """The call."""
-        return self.admission.model_call_id
-
-    @property
-    def oldest_weight_version(self) -> int:
-        """The oldest policy version among the call's tokens: a continued prefix may be older."""
-        if self.generation_cut is None:
-            return self.weight_version
-        return min(self.generation_cut.weight_version, self.weight_version)
-
-
-def rebuild_generation_cut(records: Sequence[StagedCallRecord]) -> StagedCallRecord:
-    """Join a cut's staged records (first the cumulative one, then chunks) into one snapshot.
-
-    Every record belongs to the same call, only the first may hold prompt tokens, and policy
-    versions never decrease. The snapshot keeps the first record's identity and version (the
-    oldest) and the last record's chain and cumulative hashes, which cover the whole prefix (see
-    ``build_generation_chunk_record``); its digest is what a cut's receipt names.
-
-    Raises:
-        ValueError: The records do not form one call's prefix.
-    """
-    if not records:
-        raise ValueError("a generation cut needs at least one staged record")
-    first = records[0]
-    if len(records) == 1:
-        return first
-    identity = _identity(first)
-    for index, record in enumerate(records[1:], start=1):
-        if _identity(record) != identity:
-            raise ValueError(f"cut record {index} belongs to another call")
-        if record.generated_token_count != record.delta_len:
-            raise ValueError(f"cut record {index} holds prompt tokens; only the first may")
-        if record.extras is not None:
-            raise ValueError(f"cut record {index} carries extras; cut chunks carry none")
-        if record.weight_version < records[index - 1].weight_version:
-            raise ValueError(f"cut record {index} has an older policy version than its predecessor")
-    if first.extras is not None:
-        raise ValueError("a chunked cut's first record carries extras; cut records carry none")
-    last = records[-1]
-    return StagedCallRecord.from_components(
-        rollout_id=first.rollout_id,
-        model_call_id=first.model_call_id,
-        parent_call_id=first.parent_call_id,
-        mode=first.mode,
-        prev_len=first.prev_len,
-        weight_version=first.weight_version,
-        token_ids_delta=[t for record in records for t in record.token_ids_delta],
-        token_mask_delta=[m for record in records for m in record.token_mask_delta],
-        generation_log_probs_delta=[
-            p for record in records for p in record.generation_log_probs_delta
-        ],
-        chain_hash=last.chain_hash,
-        cumulative_hash=last.cumulative_hash,
-    )
-
-
-def _identity(record: StagedCallRecord) -> tuple[str, str, str | None, str, int]:
-    return (
-        record.rollout_id,
-        record.model_call_id,
-        record.parent_call_id,
-        record.mode,
-        record.prev_len,
-    )
 
 
 class RolloutTokenCapture:
@@ -212,12 +98,12 @@ class RolloutTokenCapture:
         where = f"rollout {admission.rollout_id} call {admission.model_call_id}"
         if stream:
             raise StreamingUnsupportedError(f"{where}: staging does not support streaming")
-        prefix = _resolve_prefix(admission, prefix_token_ids, where)
+        prefix = resolve_prefix(admission, prefix_token_ids, where)
         version = self._weight_version_fn() if weight_version is None else weight_version
         if type(version) is not int or version < 0:
             raise CaptureError(f"{where}: the policy version must be an int >= 0, got {version!r}")
         if generation_cut is not None:
-            _check_generation_cut(
+            check_generation_cut(
                 admission,
                 generation_cut,
                 prefix=prefix,
@@ -274,7 +160,7 @@ class RolloutTokenCapture:
             tokens = cut.token_ids_delta + generated
             masks = cut.token_mask_delta + [1.0] * len(generated)
             delta_log_probs = cut.generation_log_probs_delta + log_probs
-        return _record_of(
+        return record_of(
             admission,
             weight_version=call.oldest_weight_version,
             tokens=tokens,
@@ -325,7 +211,7 @@ class RolloutTokenCapture:
         ):
             raise ValueError("a staged record belongs to another call")
         whole = [t for record in staged for t in record.token_ids_delta] + generated
-        return _record_of(
+        return record_of(
             admission,
             weight_version=call.weight_version,
             tokens=generated,
@@ -378,7 +264,7 @@ class RolloutTokenCapture:
         except Exception:
             # The store is outside our control; its failure costs the capture, not the completion.
             _log.exception("staging failed for %s/%s", call.rollout_id, call.model_call_id)
-            return _failed_coords(call)
+            return failed_coords(call)
         return CommitCoords(
             rollout_id=record.rollout_id,
             model_call_id=record.model_call_id,
@@ -434,7 +320,7 @@ class RolloutTokenCapture:
             CaptureError: Completion was already claimed.
         """
         self._claim_completion(call)
-        return _failed_coords(call)
+        return failed_coords(call)
 
     def _claim_completion(self, call: ActiveCall) -> None:
         with self._completion_lock:
@@ -443,115 +329,3 @@ class RolloutTokenCapture:
                     f"rollout {call.rollout_id} call {call.model_call_id} was already completed"
                 )
             call.completed = True
-
-
-def _record_of(
-    admission: CaptureAdmission,
-    *,
-    weight_version: int,
-    tokens: list[int],
-    masks: list[float],
-    log_probs: list[float],
-    chain_hash: str,
-    cumulative_hash: str,
-    extras: dict[str, Any] | None = None,
-) -> StagedCallRecord:
-    """A record under the admission's identity; its digest computed once."""
-    return StagedCallRecord.from_components(
-        rollout_id=admission.rollout_id,
-        model_call_id=admission.model_call_id,
-        parent_call_id=admission.parent_call_id,
-        mode=admission.mode,
-        prev_len=admission.prev_len,
-        weight_version=weight_version,
-        token_ids_delta=tokens,
-        token_mask_delta=masks,
-        generation_log_probs_delta=log_probs,
-        chain_hash=chain_hash,
-        cumulative_hash=cumulative_hash,
-        extras=extras,
-    )
-
-
-def _failed_coords(call: ActiveCall) -> CommitCoords:
-    admission = call.admission
-    return CommitCoords(
-        rollout_id=admission.rollout_id,
-        model_call_id=admission.model_call_id,
-        parent_call_id=admission.parent_call_id,
-        prev_len=admission.prev_len,
-        delta_len=0,
-        cum_len=admission.prev_len,
-        weight_version=call.oldest_weight_version,
-        disposition="capture_failed",
-    )
-
-
-def _resolve_prefix(
-    admission: CaptureAdmission, prefix_token_ids: Sequence[int] | None, where: str
-) -> list[int]:
-    given = None if prefix_token_ids is None else list(prefix_token_ids)
-    if given is not None and any(type(t) is not int or t < 0 for t in given):
-        raise CaptureError(f"{where}: prefix_token_ids must be non-negative ints")
-    if admission.mode == "text":
-        if given:
-            raise CaptureError(f"{where}: a text root takes no prefix")
-        return []
-    inline = list(admission.required_prefix_token_ids)
-    if given is None:
-        if not inline:
-            raise CaptureError(f"{where}: a staging_chain admission needs the resolved prefix")
-        return inline
-    if len(given) != admission.prev_len:
-        raise CaptureError(
-            f"{where}: the prefix holds {len(given)} ids, prev_len is {admission.prev_len}"
-        )
-    if inline and inline != given:
-        raise CaptureError(f"{where}: the prefix disagrees with the admission's inline prefix")
-    return given
-
-
-def _check_generation_cut(
-    admission: CaptureAdmission,
-    snapshot: StagedCallRecord,
-    *,
-    prefix: list[int],
-    staging_keys: Sequence[str] | None,
-    weight_version: int,
-    where: str,
-) -> None:
-    continuation = admission.generation_cut
-    if continuation is None:
-        raise CaptureError(f"{where}: the admission does not authorize continuing a cut")
-    if staging_keys is None or list(staging_keys) != continuation.staging_keys:
-        raise CaptureError(f"{where}: the cut was fetched from other staging keys")
-    if (
-        snapshot.rollout_id != continuation.source_capture_key
-        or snapshot.model_call_id != continuation.source_model_call_id
-    ):
-        raise CaptureError(f"{where}: the cut belongs to another source call")
-    if snapshot.digest != continuation.prefix_digest:
-        raise CaptureError(f"{where}: the cut's digest differs from the continuation's")
-    if (snapshot.parent_call_id, snapshot.prev_len, snapshot.mode) != (
-        admission.parent_call_id,
-        admission.prev_len,
-        admission.mode,
-    ):
-        raise CaptureError(f"{where}: the cut's lineage differs from the replacement call's")
-    if snapshot.generated_token_count != continuation.prefix_token_count:
-        raise CaptureError(
-            f"{where}: the cut holds {snapshot.generated_token_count} generated tokens, "
-            f"the continuation says {continuation.prefix_token_count}"
-        )
-    if snapshot.weight_version > weight_version:
-        raise CaptureError(
-            f"{where}: the cut's policy version {snapshot.weight_version} is newer than the "
-            f"current {weight_version}"
-        )
-    # The digest only vouches for the snapshot's own fields. Recompute both hashes from this
-    # call's parent so that a prefix built on other parent tokens (same parent id and length)
-    # cannot be spliced in.
-    if compute_chain_hash(admission.parent_chain_hash, snapshot.token_ids_delta) != (
-        snapshot.chain_hash
-    ) or hash_token_ids(prefix + snapshot.token_ids_delta) != (snapshot.cumulative_hash):
-        raise CaptureError(f"{where}: the cut was built on other parent tokens")

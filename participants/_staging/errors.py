@@ -1,0 +1,14 @@
+"""Errors of the staging helpers: a caller broke the capture lifecycle."""
+
+from __future__ import annotations
+
+
+class CaptureError(Exception):
+    """A caller broke the capture lifecycle or handed over a prefix that does not belong.
+
+    These are caller bugs, never reasons to poison a call.
+    """
+
+
+class StreamingUnsupportedError(CaptureError):
+    """Staging covers whole responses only."""

@@ -95,7 +95,7 @@ class BoundaryWaits:
 
     def wrap(self, name: str, plane: ControlPlane) -> None:
         """Time ``plane``'s readiness wait (the one part of prepare that is not ours)."""
-        inner: Callable[[str, float], Awaitable[None]] = plane._wait_ready
+        inner: Callable[[str, float], Awaitable[None]] = plane.prepares._wait_ready
 
         @functools.wraps(inner)
         async def timed(checkpoint_id: str, deadline: float) -> None:
@@ -105,7 +105,7 @@ class BoundaryWaits:
             finally:
                 self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
 
-        plane._wait_ready = timed  # type: ignore[method-assign]
+        plane.prepares._wait_ready = timed  # type: ignore[method-assign]
 
     def take(self) -> dict[str, float]:
         """The waits since the last call, and start over."""

@@ -3,7 +3,9 @@
 It owns the phase, the active checkpoint id, the lease, idempotent replay, the resumed-id memory,
 retire marks and checkpoint storage; it reaches the participant only through
 :class:`~participants.Participant`. One lock serializes every transition; prepare waits for
-readiness outside it, so a resume can interrupt a waiting prepare.
+readiness outside it, so a resume can interrupt a waiting prepare. The procedures of prepare,
+commit, restore and retire/forget live in modules of their own and see the plane only as
+:class:`~participants._runtime.procedure.PlaneAccess`.
 
 Admission of a control call checks, in order: a resumed id (``stale_checkpoint``), another active
 id (``checkpoint_conflict``), a stored result to replay, and the phase table (``invalid_phase``).
@@ -11,8 +13,6 @@ id (``checkpoint_conflict``), a stored result to replay, and the phase table (``
 
 from __future__ import annotations
 
-import functools
-import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from contextlib import asynccontextmanager
@@ -33,7 +33,6 @@ from protocols import (
     ForgetReply,
     ForgetRequest,
     InvalidPhaseError,
-    MidflightError,
     Phase,
     PhaseEvent,
     PrepareReply,
@@ -49,13 +48,15 @@ from protocols import (
     next_phase,
 )
 
-from .clock import Clock, SystemClock, run_until, wait_until
+from .clock import Clock, SystemClock, wait_until
 from .collector import COLLECTOR_PAUSE
 from .commit import CommitProcedure
 from .kill_points import KillPoint
 from .marks import RetireMarks
 from .participant import Participant
+from .prepare import PrepareProcedure
 from .restore import RestoreProcedure
+from .retire import RetireProcedure
 from .settings import ControlSettings
 from .telemetry import ControlTelemetry
 
@@ -108,6 +109,8 @@ class ControlPlane:
         self._task_group: TaskGroup | None = None
         self.commits = CommitProcedure(self, on_write_step=on_write_step)
         self.restores = RestoreProcedure(self)
+        self.prepares = PrepareProcedure(self)
+        self.retires = RetireProcedure(self, self.restores)
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -176,6 +179,11 @@ class ControlPlane:
         """Remember a successful result for idempotent replay."""
         self._results[(checkpoint_id, event.value)] = (args, reply)
         return reply
+
+    def stored_result(self, checkpoint_id: str, event: PhaseEvent) -> BaseModel | None:
+        """The reply stored for ``event`` of ``checkpoint_id``, if any (without its args)."""
+        stored = self._results.get((checkpoint_id, event.value))
+        return None if stored is None else stored[1]
 
     def transition(self, event: PhaseEvent) -> None:
         """Move along the phase table; outside ``IDLE`` the cyclic collector is paused (D249)."""
@@ -268,38 +276,9 @@ class ControlPlane:
         self, operation: str, checkpoint_id: str | None, work: Callable[[], Awaitable[R]]
     ) -> R:
         """Run one operation and record its outcome (one event, counters, duration)."""
-        started = time.perf_counter()
-        try:
-            reply = await work()
-        except MidflightError as exc:
-            self.telemetry.operation(
-                operation,
-                outcome="refused",
-                code=exc.code,
-                seconds=time.perf_counter() - started,
-                checkpoint_id=checkpoint_id,
-                phase=self.phase.value,
-                detail=exc.detail,
-            )
-            raise
-        except Exception:
-            self.telemetry.operation(
-                operation,
-                outcome="error",
-                code="internal_error",
-                seconds=time.perf_counter() - started,
-                checkpoint_id=checkpoint_id,
-                phase=self.phase.value,
-            )
-            raise
-        self.telemetry.operation(
-            operation,
-            outcome="ok",
-            seconds=time.perf_counter() - started,
-            checkpoint_id=checkpoint_id,
-            phase=self.phase.value,
+        return await self.telemetry.instrumented(
+            operation, checkpoint_id, work, phase=lambda: self.phase.value
         )
-        return reply
 
     async def status(self) -> StatusReply:
         """The participant's phase, lease, retire marks, restore fences and readiness."""
@@ -332,95 +311,19 @@ class ControlPlane:
         """Close admission and wait, until the deadline, for every episode to park."""
         await self.kill_point.areach("prepare-sent")
         reply = await self.instrumented(
-            "prepare", request.checkpoint_id, lambda: self._prepare(request)
+            "prepare", request.checkpoint_id, lambda: self.prepares.run(request)
         )
         if reply.phase is Phase.PREPARED:
             await self.kill_point.areach("some-prepared")  # prepared, the reply not yet sent
         return reply
 
-    async def _prepare(self, request: CheckpointRequest) -> PrepareReply:
-        request = self.bounded(request)
-        checkpoint_id = request.checkpoint_id
-        async with self.lock:
-            await self.expire_lease_if_due()
-            stored = self.admit(checkpoint_id, PhaseEvent.PREPARE)
-            if self.phase is not Phase.IDLE:
-                self.renew_lease(request.deadline_ts)
-            if isinstance(stored, PrepareReply):
-                return stored
-            if self.phase is Phase.IDLE:
-                self.checkpoint_id = checkpoint_id
-                self.transition(PhaseEvent.PREPARE)
-                self.renew_lease(request.deadline_ts)
-                try:
-                    await self.participant.close_admission(request)
-                except BaseException:
-                    await self._abandon_prepare()
-                    raise
-        regressed: int | None = None
-        while True:
-            try:
-                if regressed is not None:  # wait for the change that may make it ready again
-                    wake_at = min(
-                        request.deadline_ts,
-                        self.clock.time() + self.settings.readiness_poll_seconds,
-                    )
-                    changes = self.participant.changes
-                    await wait_until(
-                        self.clock, wake_at, functools.partial(changes.wait_past, regressed)
-                    )
-                await self._wait_ready(checkpoint_id, request.deadline_ts)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    async with self.lock:
-                        if self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
-                            await self._abandon_prepare()
-                raise
-            async with self.lock:
-                if self.checkpoint_id != checkpoint_id:
-                    return PrepareReply(phase=self.phase, report=self.report())
-                replay = self._results.get((checkpoint_id, PhaseEvent.PREPARE.value))
-                if replay is not None and isinstance(replay[1], PrepareReply):
-                    return replay[1]
-                if self.phase is not Phase.PREPARING:
-                    return PrepareReply(phase=self.phase, report=self.report())
-                report = self.report()
-                if report.ready:
-                    self.transition(PhaseEvent.READY)
-                    reply = PrepareReply(phase=self.phase, report=report)
-                    return self.store_result(checkpoint_id, PhaseEvent.PREPARE, None, reply)
-                if self.clock.time() < request.deadline_ts:
-                    # Readiness regressed between the wait and the lock (a restored episode
-                    # admitted meanwhile, say): only the deadline ends a prepare not ready (D218).
-                    regressed = self.participant.changes.version
-                    continue
-                self.telemetry.event(
-                    "prepare_not_ready",
-                    checkpoint_id=checkpoint_id,
-                    blocker_count=report.blocker_count,
-                    blockers=report.blockers[:10],
-                )
-                return PrepareReply(phase=self.phase, report=report)
-
-    async def _abandon_prepare(self) -> None:
+    async def abandon_prepare(self) -> None:
         """A close or readiness wait failed: reopen; the id may try again."""
         await self.participant.open_admission()
         self.transition(PhaseEvent.RESUME)
         self.checkpoint_id = None
         self.lease_expires_at = None
         self._wake_lease_watcher()
-
-    async def _wait_ready(self, checkpoint_id: str, deadline: float) -> None:
-        changes = self.participant.changes
-        while self.checkpoint_id == checkpoint_id and self.phase is Phase.PREPARING:
-            seen = changes.version
-            if self.participant.ready():
-                return
-            now = self.clock.time()
-            if now >= deadline:
-                return
-            wake_at = min(deadline, now + self.settings.readiness_poll_seconds)
-            await wait_until(self.clock, wake_at, functools.partial(changes.wait_past, seen))
 
     async def commit(self, request: CommitRequest) -> CommitReply:
         """Export the parked work once and publish it (see ``CommitProcedure``)."""
@@ -474,74 +377,19 @@ class ControlPlane:
             assert self.lease_expires_at is not None
             return RenewReply(lease_expires_at=self.lease_expires_at)
 
-    def _admit_retire_or_forget(self, checkpoint_id: str, event: PhaseEvent) -> None:
-        # Outside an open checkpoint the id is only a label, so no stale-id check applies.
-        if self.phase not in ALLOWED_PHASES[event]:
-            raise InvalidPhaseError(
-                f"{event.value} is refused while checkpoint {self.checkpoint_id!r} is open "
-                f"(phase {self.phase.value}); resume first"
-            )
-        if self.phase is Phase.RESTORED and checkpoint_id != self.checkpoint_id:
-            raise CheckpointConflictError(
-                f"restore {self.checkpoint_id!r} is active; retire under its id or resume first"
-            )
-
     async def retire(self, request: RetireRequest) -> RetireReply:
         """Refuse, stop, then free the named attempts and every earlier one."""
         reply = await self.instrumented(
-            "retire", request.checkpoint_id, lambda: self._retire(request)
+            "retire", request.checkpoint_id, lambda: self.retires.retire(request)
         )
         await self.kill_point.areach("retire-partly-applied")  # applied, the reply not yet sent
         return reply
 
-    async def _retire(self, request: RetireRequest) -> RetireReply:
-        request = self.bounded(request)
-        deadline = request.deadline_ts
-        async with self.lock:
-            await self.expire_lease_if_due()
-            self._admit_retire_or_forget(request.checkpoint_id, PhaseEvent.RETIRE)
-            if self.phase is Phase.RESTORED:
-                self.renew_lease(deadline)
-            self.marks.raise_to(request.episode_ids)
-            await run_until(
-                self.clock,
-                deadline,
-                lambda: self.participant.mark_retired(request.episode_ids),
-                what="retire marks to propagate",
-            )
-        await self.restores.wait_for_install(deadline)
-        for episode in request.episode_ids:
-            await run_until(
-                self.clock,
-                deadline,
-                functools.partial(self.participant.retire, episode),
-                what=f"{episode.capture_key} to stop",
-            )
-        self.participant.changes.notify()
-        return RetireReply(retired=[episode.capture_key for episode in request.episode_ids])
-
     async def forget(self, request: ForgetRequest) -> ForgetReply:
         """Remove the retire marks of rollouts that are finished for good."""
         return await self.instrumented(
-            "forget", request.checkpoint_id, lambda: self._forget(request)
+            "forget", request.checkpoint_id, lambda: self.retires.forget(request)
         )
-
-    async def _forget(self, request: ForgetRequest) -> ForgetReply:
-        request = self.bounded(request)
-        rollout_ids = sorted(set(request.rollout_ids))
-        async with self.lock:
-            await self.expire_lease_if_due()
-            self._admit_retire_or_forget(request.checkpoint_id, PhaseEvent.FORGET)
-            if self.phase is Phase.RESTORED:
-                self.renew_lease(request.deadline_ts)
-            await run_until(
-                self.clock,
-                request.deadline_ts,
-                lambda: self.participant.forget(rollout_ids),
-                what="the participant to accept forget",
-            )
-            self.marks.forget(rollout_ids)
-        return ForgetReply(forgotten=rollout_ids)
 
     def results_snapshot(self) -> dict[tuple[str, str], Any]:
         """Stored replay results (for tests and status tooling)."""

@@ -1,8 +1,8 @@
-"""What the commit and restore procedures may use of their control plane, and nothing more.
+"""What the prepare, commit, restore and retire procedures may use of their control plane, and nothing more.
 
 The procedures run inside the plane's lock and phase machine, so they need a handful of its
 members; naming them in one protocol keeps the plane and its procedures free of an import cycle
-(the plane builds the procedures; the procedures know the plane only as :class:`PlaneAccess`).
+(the plane builds the procedures; they know the plane only as :class:`PlaneAccess`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import anyio
 from anyio.abc import TaskGroup
 from pydantic import BaseModel
 
-from protocols import CheckpointRequest, PhaseEvent, PrepareReport
+from protocols import CheckpointRequest, Phase, PhaseEvent, PrepareReport
 
 from .clock import Clock
 from .marks import RetireMarks
@@ -27,7 +27,7 @@ Q = TypeVar("Q", bound=CheckpointRequest)
 
 
 class PlaneAccess(Protocol):
-    """The members of :class:`~participants.ControlPlane` a commit or restore procedure uses."""
+    """The members of :class:`~participants.ControlPlane` its procedures use."""
 
     participant: Participant
     settings: ControlSettings
@@ -35,6 +35,7 @@ class PlaneAccess(Protocol):
     telemetry: ControlTelemetry
     marks: RetireMarks
     checkpoint_id: str | None
+    phase: Phase
     lock: anyio.Lock
 
     @property
@@ -56,6 +57,10 @@ class PlaneAccess(Protocol):
         """Remember ``reply`` for a replay of the same call."""
         ...
 
+    def stored_result(self, checkpoint_id: str, event: PhaseEvent) -> BaseModel | None:
+        """The reply stored for ``event`` of ``checkpoint_id``, if any."""
+        ...
+
     def transition(self, event: PhaseEvent) -> None:
         """Move the phase machine by ``event``."""
         ...
@@ -66,6 +71,10 @@ class PlaneAccess(Protocol):
 
     def report(self) -> PrepareReport:
         """The participant's readiness report."""
+        ...
+
+    async def abandon_prepare(self) -> None:
+        """Reopen admission after a failed close or readiness wait; the id may try again."""
         ...
 
     async def expire_lease_if_due(self) -> None:

@@ -6,13 +6,16 @@ process. Event names come from a fixed vocabulary (``CONTROL_EVENTS``); tokens a
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Final, Literal
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Final, Literal, TypeVar
 
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from protocols import Phase
+from protocols import MidflightError, Phase
+
+T = TypeVar("T")
 
 CONTROL_EVENTS: Final = frozenset(
     {
@@ -103,6 +106,51 @@ class ControlTelemetry:
             self.log.warning(
                 event, outcome=outcome, code=code, seconds=round(seconds, 6), **context
             )
+
+    async def instrumented(
+        self,
+        operation: str,
+        checkpoint_id: str | None,
+        work: Callable[[], Awaitable[T]],
+        *,
+        phase: Callable[[], str],
+    ) -> T:
+        """Run ``work`` and record its outcome: ``ok``, ``refused`` (a coded error) or ``error``.
+
+        ``phase`` is read after the work, so the event names the phase it left behind.
+        """
+        started = time.perf_counter()
+        try:
+            reply = await work()
+        except MidflightError as exc:
+            self.operation(
+                operation,
+                outcome="refused",
+                code=exc.code,
+                seconds=time.perf_counter() - started,
+                checkpoint_id=checkpoint_id,
+                phase=phase(),
+                detail=exc.detail,
+            )
+            raise
+        except Exception:
+            self.operation(
+                operation,
+                outcome="error",
+                code="internal_error",
+                seconds=time.perf_counter() - started,
+                checkpoint_id=checkpoint_id,
+                phase=phase(),
+            )
+            raise
+        self.operation(
+            operation,
+            outcome="ok",
+            seconds=time.perf_counter() - started,
+            checkpoint_id=checkpoint_id,
+            phase=phase(),
+        )
+        return reply
 
     def event(self, name: str, **context: Any) -> None:
         """Record a control-plane event that is not an operation reply."""

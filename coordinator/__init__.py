@@ -2,7 +2,7 @@
 
 - :class:`ControlClient`: the async client of one participant's control routes (a reserved
   connection pool, bounded calls, typed errors, retries of transport failures and retryable codes);
-- :func:`discover` and :class:`Coordinator`: the fixed-order drivers (prepare, commit, resume,
+- :func:`discover` and :class:`Coordinator`: the fixed-order operations (prepare, commit, resume,
   restore all-or-nothing, retire, forget, renew) and :class:`PrepareResult`;
 - :func:`publish_checkpoint` / :func:`read_latest`: the aggregate manifest and the ``LATEST``
   pointer;
@@ -22,7 +22,7 @@ from ._client import (
     is_retryable,
 )
 from ._discovery import DISCOVERY_ATTEMPTS, discover
-from ._drivers import CoordinationError, Coordinator, Member, PrepareResult
+from ._fixed_order import CoordinationError, Coordinator, Member, PrepareResult
 from ._ledger_client import LedgerClient
 from ._publish import (
     CHECKPOINT_FILE,

@@ -26,7 +26,7 @@ from protocols import (
     ParticipantKind,
 )
 
-from ._drivers import CoordinationError, Coordinator, PrepareResult
+from ._fixed_order import CoordinationError, Coordinator, PrepareResult
 from ._publish import (
     CHECKPOINT_FILE,
     LATEST_FILE,

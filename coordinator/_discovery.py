@@ -11,7 +11,7 @@ from tenacity.wait import wait_base
 from protocols import PREPARE_ORDER
 
 from ._client import STATUS_TIMEOUT_SECONDS, ControlClient, NotAParticipantError
-from ._drivers import NO_MODEL, CoordinationError, Member, _describe, _each
+from ._fixed_order import NO_MODEL, CoordinationError, Member, _describe, _each
 
 DISCOVERY_ATTEMPTS: Final = 3
 """Tries per status probe when the connection fails, as in the reference."""

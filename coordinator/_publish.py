@@ -35,7 +35,7 @@ from protocols import (
     validate_checkpoint_id,
 )
 
-from ._drivers import Member
+from ._fixed_order import Member
 
 CHECKPOINTS_SUBDIR: Final = "checkpoints"
 CHECKPOINT_FILE: Final = "checkpoint.json"

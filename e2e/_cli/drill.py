@@ -332,7 +332,7 @@ def register(app: typer.Typer) -> None:
         plan: Annotated[Path, typer.Option()],
     ) -> None:
         """The drill's controller process (started by ``midflight drill``)."""
-        from .._drill.controller import main
+        from .._drill.driver import main
 
         main(root, cluster, plan)
 
@@ -343,6 +343,6 @@ def register(app: typer.Typer) -> None:
         plan: Annotated[Path, typer.Option()],
     ) -> None:
         """The controller process of one random sequence (started by ``drill --sequences``)."""
-        from .._sequences.controller import main
+        from .._sequences.driver import main
 
         main(root, cluster, plan)

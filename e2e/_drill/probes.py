@@ -10,9 +10,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import anyio
+import httpx
+
 from protocols import EpisodeId
 
 from .._servers.cluster import Cluster
+from .plan import error_code
 
 ResourcesProbe = Literal["tool", "seed"]
 """``tool``: a tool call on the session; ``seed``: ``seed_session``, which needs no session, so only
@@ -57,3 +61,20 @@ def probe_requests(
             {},
         ),
     }
+
+
+async def send_probes(
+    http: httpx.AsyncClient,
+    cluster: Cluster,
+    episode: EpisodeId,
+    task: dict[str, Any],
+    resources: ResourcesProbe,
+    within: float,
+) -> dict[str, tuple[int, str | None]]:
+    """Send every kind its late request of ``episode``; ``(status, error code)`` per kind."""
+    answers: dict[str, tuple[int, str | None]] = {}
+    for kind, (url, body, headers) in probe_requests(cluster, episode, task, resources).items():
+        with anyio.fail_after(within):
+            reply = await http.post(url, json=body, headers=headers)
+        answers[kind] = (reply.status_code, error_code(reply))
+    return answers

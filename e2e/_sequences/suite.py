@@ -2,7 +2,7 @@
 
 A sequence is a plan — a seeded, weighted list of operations (start rollouts, let model calls
 finish, checkpoint, checkpoint then crash and restore, retire) — that the sequence driver
-(``_sequence_driver.py``) executes on a fresh cluster, checking control-plane §8.1 after each
+(``e2e._sequences.driver``) executes on a fresh cluster, checking control-plane §8.1 after each
 operation. At the end the drill's oracle (figures from evidence only) and the end-of-run rules of
 §8.1 item 10 decide:
 

@@ -18,14 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import anyio
-from pydantic import ValidationError
 
 from protocols import (
     ActivationOutOfOrderError,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
-    InvalidCheckpointStateError,
     ParticipantKind,
     PrepareReport,
     StaleAttemptError,
@@ -33,10 +31,9 @@ from protocols import (
 
 from .._runtime.participant import BaseParticipant, Record
 from .._runtime.report import build_report
-from .._runtime.restore_batch import RestoreScope, validate_batch
-from .hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
+from .hooks import AgentSessionHooks, CounterSessionHooks
+from .records import restored_sessions, session_records
 from .session import (
-    AGENT_SESSION_STATES,
     AgentPeers,
     AgentSession,
     AgentTaskInput,
@@ -309,19 +306,7 @@ class AgentParticipant(BaseParticipant):
         ]
         if missing:
             raise CheckpointError(f"the agent export hook left out sessions {missing[:10]}")
-        records: list[Record] = []
-        for session in sessions:
-            assert session.snapshot is not None  # every constructor records one
-            key = session.episode_id.capture_key
-            records.append(
-                {
-                    "episode_id": session.episode_id.model_dump(),
-                    "session_key": key,
-                    "session": states[key],
-                    "boundary": session.snapshot.boundary(),
-                }
-            )
-        return records
+        return session_records(sessions, states)
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
         """Validate every record, then install each under its next attempt, or change nothing.
@@ -331,32 +316,7 @@ class AgentParticipant(BaseParticipant):
             InvalidCheckpointStateError: A record is malformed.
         """
         self._refuse_live_sessions()
-        indexed = RestoreScope.of(scope)
-        sources: list[EpisodeId] = []
-        for index, record in enumerate(records):
-            try:
-                source = indexed.episode(record.get("episode_id"))
-            except (ValidationError, AttributeError) as exc:
-                raise InvalidCheckpointStateError(
-                    f"agent record {index} is invalid: {str(exc)[:500]}"
-                ) from exc
-            if record.get("session_key") != source.capture_key:
-                raise InvalidCheckpointStateError(
-                    f"agent record {index}: session_key does not match {source.capture_key}"
-                )
-            sources.append(source)
-        # Every session state in one validation call (D265); the first bad one is named.
-        states = validate_batch(
-            AGENT_SESSION_STATES, [record.get("session") for record in records], "agent record"
-        )
-        restored: dict[str, RestoredAgentSession] = {}
-        for source, state in zip(sources, states, strict=True):
-            replacement = indexed.next_attempt(source)
-            if replacement.capture_key in restored:
-                raise InvalidCheckpointStateError(f"{source.capture_key} is recorded twice")
-            restored[replacement.capture_key] = RestoredAgentSession(
-                replacement.capture_key, replacement, state
-            )
+        restored = restored_sessions(records, scope)
         await self.hooks.restore_agent_sessions(list(restored.values()))
         self._refuse_live_sessions()  # a seed may have slipped in while the hook ran
         for key, item in restored.items():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal, Protocol
 
@@ -10,6 +10,7 @@ from pydantic import ValidationError
 
 from protocols import EpisodeId, InvalidCheckpointStateError
 
+from .._runtime.participant import Record
 from .._runtime.restore_batch import RestoreScope
 
 ResourcesMode = Literal["exported", "stateless", "restart_only"]
@@ -99,3 +100,33 @@ def parse_session_records(
         bound[session_id] = indexed.next_attempt(episode)
         states[session_id] = record["state"]
     return bound, states
+
+
+def session_records(
+    sessions: Sequence[ResourcesSession], states: Mapping[str, Any]
+) -> tuple[list[Record], list[str]]:
+    """The records of ``sessions`` with their exported states, and the ids the hook left out."""
+    records: list[Record] = []
+    vanished: list[str] = []
+    for session in sessions:
+        if session.session_id not in states:
+            vanished.append(session.session_id)
+            continue
+        records.append(
+            {
+                "episode_id": session.episode_id.model_dump(),
+                "session_id": session.session_id,
+                "state": states[session.session_id],
+            }
+        )
+    return records, vanished
+
+
+def unfreed_sessions(sessions: Iterable[ResourcesSession], rollout_ids: Iterable[str]) -> list[str]:
+    """Capture keys of retired sessions of ``rollout_ids`` that are not freed yet."""
+    wanted = set(rollout_ids)
+    return sorted(
+        s.episode_id.capture_key
+        for s in sessions
+        if s.retired and s.episode_id.rollout_id in wanted
+    )

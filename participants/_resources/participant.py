@@ -15,7 +15,7 @@ end where no request shows it calls :meth:`~ResourcesParticipant.session_started
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -47,6 +47,8 @@ from .models import (
     ResourcesSessionHooks,
     VerifyMode,
     parse_session_records,
+    session_records,
+    unfreed_sessions,
 )
 
 _log = structlog.get_logger("midflight.resources")
@@ -335,19 +337,10 @@ class ResourcesParticipant(BaseParticipant):
             if not s.retired and (wanted is None or s.episode_id.capture_key in wanted)
         ]
         states = await self.hooks.export_session_states([s.session_id for s in chosen])
-        records: list[Record] = []
-        for session in chosen:
-            if session.session_id not in states:
-                _log.warning("resources.session_vanished", session_id=session.session_id)
-                self.sessions.pop(session.session_id, None)
-                continue
-            records.append(
-                {
-                    "episode_id": session.episode_id.model_dump(),
-                    "session_id": session.session_id,
-                    "state": states[session.session_id],
-                }
-            )
+        records, vanished = session_records(chosen, states)
+        for session_id in vanished:
+            _log.warning("resources.session_vanished", session_id=session_id)
+            self.sessions.pop(session_id, None)
         return records
 
     async def install(self, records: Sequence[Record], scope: Sequence[EpisodeId]) -> None:
@@ -376,22 +369,14 @@ class ResourcesParticipant(BaseParticipant):
 
     # ----------------------------------------------------------------- retire / forget
 
-    async def _wait_until(self, condition: Callable[[], bool]) -> None:
-        # Bounded by the caller (the runtime runs retire under the request's deadline).
-        while True:
-            seen = self.changes.version
-            if condition():
-                return
-            await self.changes.wait_past(seen)
-
     async def retire(self, episode_id: EpisodeId) -> None:
         """Refuse the sessions of ``episode_id`` and earlier attempts, wait for them, free them."""
-        await self._wait_until(lambda: not any(episode_id.covers(e) for e in self.seeds))
+        await self.changes.wait_for(lambda: not any(episode_id.covers(e) for e in self.seeds))
         doomed = [s for s in self.sessions.values() if episode_id.covers(s.episode_id)]
         for session in doomed:
             session.retired = True  # refused from here on, even if this retire is cut short
         self.changes.notify()
-        await self._wait_until(lambda: all(s.inflight == 0 for s in doomed))
+        await self.changes.wait_for(lambda: all(s.inflight == 0 for s in doomed))
         for session in doomed:
             await self._free(session)
 
@@ -405,12 +390,7 @@ class ResourcesParticipant(BaseParticipant):
         Raises:
             RetireIncompleteError: Retire again first; nothing changed.
         """
-        wanted = set(rollout_ids)
-        unfreed = sorted(
-            s.episode_id.capture_key
-            for s in self.sessions.values()
-            if s.retired and s.episode_id.rollout_id in wanted
-        )
+        unfreed = unfreed_sessions(self.sessions.values(), rollout_ids)
         if unfreed:
             raise RetireIncompleteError(
                 f"retired sessions are not freed yet: {unfreed[:10]}; retire again first"

@@ -8,7 +8,7 @@ several worker processes can later put a fan-out proxy behind it without touchin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import anyio
@@ -47,6 +47,18 @@ class ChangeNotifier:
             if self._event is None:
                 self._event = anyio.Event()
             await self._event.wait()
+
+    async def wait_for(self, condition: Callable[[], bool]) -> None:
+        """Return once ``condition()`` holds, re-checking it at every notification.
+
+        No deadline of its own: the caller bounds it (the runtime runs retire under the request's
+        deadline).
+        """
+        while True:
+            seen = self.version
+            if condition():
+                return
+            await self.wait_past(seen)
 
 
 @runtime_checkable

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from coordinator import PrepareResult
-from e2e._drill.controller import Driver, DriverPlan
+from e2e._drill.driver import Driver
+from e2e._drill.plan import DriverPlan
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
 from protocols import EpisodeId

@@ -1,4 +1,4 @@
-"""The fixed-order drivers: one checkpoint operation across every participant.
+"""The fixed-order operations: one checkpoint operation across every participant.
 
 The coordinator holds no state of its own between calls; every call may be repeated with the same
 checkpoint id. The orders come from ``protocols``: prepare walks ``PREPARE_ORDER`` stage by stage

@@ -31,7 +31,9 @@ from coordinator import verify_checkpoint
 from protocols import EpisodeId
 
 from .._drill.control import CommitOutcome, ControlSession
-from .._drill.controller import DEADLINE_SECONDS, Driver, DriverPlan
+from .._drill.dispatch import DEADLINE_SECONDS
+from .._drill.driver import Driver
+from .._drill.plan import DriverPlan
 from .._servers.cluster import Cluster, read_cluster
 
 OPERATIONS = ("start", "finish", "checkpoint", "crash", "retire")

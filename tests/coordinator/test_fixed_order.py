@@ -1,4 +1,4 @@
-"""The fixed-order drivers against real control planes in-process, with the call order logged."""
+"""The fixed-order operations against real control planes in-process, with the call order logged."""
 
 from __future__ import annotations
 

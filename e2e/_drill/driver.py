@@ -12,241 +12,29 @@ and ``done``.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import sys
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import anyio
 import anyio.lowlevel
-import httpx
 
 from protocols import EpisodeId
 
-from .._servers.cluster import Cluster, read_cluster
-from .._servers.evidence import EvidenceLog, read_evidence
-from .._servers.peer_pool import PEER_POOL
-from .control import ControlSession
-from .probes import ResourcesProbe, probe_requests
+from .._servers.cluster import read_cluster
+from .._servers.evidence import read_evidence
+from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
+from .plan import ControllerState, DriverPlan, task_of
+from .probes import ResourcesProbe, send_probes
 
-DEADLINE_SECONDS = 30.0
 CUT_RETRIES = 6
 """Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
 D232); the last try is published whatever it carries."""
 
 
-@dataclass(frozen=True)
-class DriverPlan:
-    """What one driver process does before it exits or asks to be crashed."""
-
-    rollouts: list[str]
-    task_input: dict[str, Any]
-    phase: int
-    checkpoints: int
-    crash_after: bool
-    concurrency: int = 4
-    fault: str | None = None
-    commit_delay_s: float = 0.3
-    restart_only_rollouts: list[str] = field(default_factory=list)
-    restart_environment: str = ""
-
-    @classmethod
-    def load(cls, path: Path) -> DriverPlan:
-        """Read a plan file."""
-        return cls(**json.loads(path.read_text()))
-
-
-@dataclass
-class ControllerState:
-    """The controller's own state, checkpointed with the participants'."""
-
-    accepted: dict[str, dict[str, Any]] = field(default_factory=dict)
-    attempts: dict[str, int] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"accepted": self.accepted, "attempts": self.attempts}
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> ControllerState:
-        return cls(accepted=dict(data.get("accepted", {})), attempts=dict(data.get("attempts", {})))
-
-
-def _task(rollout: str, task_input: Mapping[str, Any]) -> dict[str, Any]:
-    return {"task_id": {"taskset": "counter", "task_id": rollout}, "task_input": dict(task_input)}
-
-
-class Driver:
-    """One incarnation of the controller."""
-
-    def __init__(self, root: Path, cluster: Cluster, plan: DriverPlan, token: str) -> None:
-        self.root = root
-        self.cluster = cluster
-        self.plan = plan
-        self.token = token
-        self.evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
-        self.state = ControllerState()
-        self.in_flight: dict[str, int] = {}
-        self.settling: dict[str, int] = {}  # replied with a result, being accepted
-        # Restored attempts not yet running: every commit names them (their replacement attempt)
-        # until they start, or the commit deletes their restored state (control-plane §5).
-        self.owed: dict[str, int] = {}
-        self.done_events: dict[str, anyio.Event] = {}
-        self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
-        self.control = ControlSession(cluster, token)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL)
-        self.wake = anyio.Event()
-        self.retired: dict[str, int] = {}
-        self.last_cuts: list[str] = []
-        self.abandoned = 0  # commits abandoned for want of a cut (this incarnation, one phase)
-
-    async def log(self, event: dict[str, Any]) -> None:
-        """Append one evidence line (fsynced) before acting on it."""
-        await anyio.to_thread.run_sync(self.evidence.append, {**event, "t": time.time()})
-
-    @staticmethod
-    def say(line: str) -> None:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-    def say_progress(self) -> None:
-        """``progress <accepted>/<rollouts>``: what the drill's bar shows (after a rollback too)."""
-        self.say(f"progress {len(self.state.accepted)}/{len(self.plan.rollouts)}")
-
-    # ------------------------------------------------------------------ dispatch
-    async def run_rollout(self, rollout: str, attempt: int) -> None:
-        """Run a rollout to an accepted result; a retired straggler reruns as its next attempt."""
-        while True:
-            await self.run_attempt(rollout, attempt)
-            if rollout in self.state.accepted or self.retired.get(rollout, -1) < attempt:
-                return
-            attempt += 1
-            self.state.attempts[rollout] = attempt
-
-    async def run_attempt(self, rollout: str, attempt: int) -> None:
-        episode = EpisodeId(rollout_id=rollout, attempt=attempt)
-        self.in_flight[rollout] = attempt
-        if self.owed.get(rollout) == attempt:
-            del self.owed[rollout]  # in flight now: the scope names it from in_flight
-        self.done_events[rollout] = anyio.Event()
-        self.refused_events[rollout] = anyio.Event()
-        try:
-            await self.log({"event": "dispatch", "rollout": rollout, "attempt": attempt})
-            body = {
-                "episode_id": episode.model_dump(),
-                "task": _task(rollout, self.plan.task_input),
-            }
-            url = self.environment_url(rollout) + "/run"
-            while True:
-                refused = self.refused_events[rollout] = anyio.Event()
-                reply = await self.http.post(url, json=body)
-                code = _error_code(reply)
-                if code == "admission_closed":
-                    refused.set()  # not running anywhere: a commit need not wait for it
-                    await anyio.sleep(0.05)  # a checkpoint is open: same attempt after resume
-                    continue
-                break
-            if reply.status_code != 200 or "result" not in reply.json():
-                failure = reply.json().get("failure") if reply.status_code == 200 else None
-                await self.log(
-                    {
-                        "event": "run_failed",
-                        "rollout": rollout,
-                        "attempt": attempt,
-                        "status": reply.status_code,
-                        "code": code,
-                        "failure": failure,  # the episode's own failure (a 200 without result)
-                    }
-                )
-                return
-            result = reply.json()["result"]
-            # A retire waits for an episode in its final clean-up and lets its result through
-            # (control-plane §3.2 retire): an attempt this controller retired meanwhile is
-            # dropped, its ledger retired with it, and the rollout reruns as its next attempt.
-            if self.retired.get(rollout, -1) >= attempt:
-                await self.discard(episode, "retired while its reply was on the wire")
-                return
-            self.settling[rollout] = attempt  # no retire or forced block picks it from now on
-            manifest = await self.control.ledger_manifest(episode.capture_key)
-            if manifest is None:
-                await self.discard(episode, "its ledger was retired before the manifest was read")
-                return
-            await self.log(
-                {
-                    "event": "result",
-                    "rollout": rollout,
-                    "attempt": attempt,
-                    "reward": result["reward"],
-                    "manifest": manifest,
-                }
-            )
-            self.state.accepted[rollout] = {"attempt": attempt, "reward": result["reward"]}
-            self.say_progress()
-        finally:
-            if self.settling.get(rollout) == attempt:
-                del self.settling[rollout]
-            if self.in_flight.get(rollout) == attempt:
-                del self.in_flight[rollout]
-            self.done_events[rollout].set()
-            self.wake.set()
-
-    async def finished_or_refused(self, rollout: str) -> None:
-        """Wait until the rollout's attempt ends or its ``/run`` is refused at the closed
-        admission. A rollout left out of an export either finished (its reply is on the wire)
-        or never started: with hundreds in flight, some were dispatched while the checkpoint
-        held admission closed, and they finish only after the resume this commit precedes."""
-        done, refused = self.done_events[rollout], self.refused_events[rollout]
-        async with anyio.create_task_group() as group:
-
-            async def first(event: anyio.Event) -> None:
-                await event.wait()
-                group.cancel_scope.cancel()
-
-            group.start_soon(first, done)
-            group.start_soon(first, refused)
-
-    async def discard(self, episode: EpisodeId, why: str) -> None:
-        """Log that a result of ``episode`` was not accepted, and why."""
-        await self.log(
-            {
-                "event": "run_discarded",
-                "rollout": episode.rollout_id,
-                "attempt": episode.attempt,
-                "why": why,
-            }
-        )
-
-    def retirable(self) -> list[tuple[str, int]]:
-        """In-flight and owed attempts a retire may pick: not one whose result is being accepted."""
-        attempts = {**self.owed, **self.in_flight}
-        return sorted((r, a) for r, a in attempts.items() if self.settling.get(r) != a)
-
-    def environment_url(self, rollout: str) -> str:
-        """The environment that runs ``rollout``: the restart-only share has its own."""
-        if rollout in self.plan.restart_only_rollouts:
-            for server in self.cluster.servers:
-                if server.name == self.plan.restart_environment:
-                    return server.url
-            raise LookupError(f"the cluster file lists no {self.plan.restart_environment}")
-        return self.cluster.url_of("environment")
-
-    # ------------------------------------------------------------------ checkpoint
-    def finished(self) -> bool:
-        """Whether every rollout of the plan has an accepted result."""
-        return all(rollout in self.state.accepted for rollout in self.plan.rollouts)
-
-    async def wait_for_model_calls_in_flight(self) -> bool:
-        """Wait (bounded) until the policy server is generating; False when everything finished."""
-        with anyio.move_on_after(60.0):
-            while not self.finished():
-                if await self.control.model_calls_in_flight() > 0:
-                    return True
-                await anyio.sleep(0.01)
-        return False
+class Driver(RolloutDispatcher):
+    """One incarnation of the controller: dispatch (the base), checkpoints and recovery."""
 
     async def checkpoint(
         self, index: int, *, block: float | None = None, need_cut: bool = False
@@ -403,25 +191,19 @@ class Driver:
         after: str | None = None,
     ) -> dict[str, tuple[int, str | None]]:
         """Probe every kind with a late request of ``episode``; log and return (status, code)."""
-        task = _task(episode.rollout_id, self.plan.task_input)
-        answers: dict[str, tuple[int, str | None]] = {}
-        for kind, (url, body, headers) in probe_requests(
-            self.cluster, episode, task, resources
-        ).items():
-            with anyio.fail_after(within):
-                reply = await self.http.post(url, json=body, headers=headers)
-            code = _error_code(reply)
+        task = task_of(episode.rollout_id, self.plan.task_input)
+        answers = await send_probes(self.http, self.cluster, episode, task, resources, within)
+        for kind, (status, code) in answers.items():
             event = {
                 "event": "stale_probe",
                 "crash": self.plan.phase,
                 "kind": kind,
                 "key": episode.capture_key,
-                "status": reply.status_code,
+                "status": status,
                 "code": code,
-                "accepted": reply.status_code < 400,
+                "accepted": status < 400,
             }
             await self.log(event if after is None else {**event, "after": after})
-            answers[kind] = (reply.status_code, code)
         return answers
 
     # ------------------------------------------------------------------ the run
@@ -479,17 +261,6 @@ class Driver:
         leftover = await self.control.leftover(self.root)
         await self.log({"event": "final", "accepted": self.state.accepted, "leftover": leftover})
         self.say("done")
-
-
-def _error_code(reply: httpx.Response) -> str | None:
-    if reply.status_code < 400:
-        return None
-    try:
-        body = reply.json()
-    except ValueError:
-        return None
-    error = body.get("error") if isinstance(body, dict) else None
-    return error.get("code") if isinstance(error, dict) else None
 
 
 def main(root: Path, cluster_path: Path, plan_path: Path) -> None:

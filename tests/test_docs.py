@@ -9,10 +9,13 @@ from pathlib import Path
 
 from protocols import ERROR_TABLE
 
-DOCS = Path(__file__).resolve().parents[1] / "docs"
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
 PINNED_DECISIONS = Path(__file__).parent / "golden" / "decisions.txt"
 """``D<n> <the first 50 characters of its title>`` for every entry up to D273; append new ones."""
 ENTRY = re.compile(r"^\*\*D(\d+)\. (.*?)\*\*", re.M | re.S)
+PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", re.M | re.S)
+FENCE = re.compile(r"^```([\w+-]*)", re.M)
 
 
 def decision_titles(text: str) -> dict[int, str]:
@@ -87,9 +90,26 @@ def test_a_revision_names_an_earlier_entry() -> None:
 
 
 def test_python_examples_in_the_docs_run(tmp_path: Path) -> None:
-    for page in sorted(DOCS.glob("*.md")):
-        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+    ran: set[str] = set()
+    for page in sorted(DOCS.rglob("*.md")):
+        text = page.read_text()
+        for block in PYTHON_BLOCK.finditer(text):
             scratch = tmp_path / page.stem
             shutil.rmtree(scratch, ignore_errors=True)
-            code = block.replace("/tmp/", f"{scratch}/")
-            exec(compile(code, str(page), "exec"), {})  # noqa: S102 - our own docs
+            code = block.group(1).replace("/tmp/", f"{scratch}/")
+            # Blank lines in front, so that a traceback names the line of the page.
+            padding = "\n" * text.count("\n", 0, block.start(1))
+            exec(compile(padding + code, str(page), "exec"), {})  # noqa: S102 - our own docs
+            ran.add(page.name)
+    assert {"coordination.md", "operations.md", "writing-a-participant.md"} <= ran
+
+
+def test_every_python_example_is_fenced_as_python() -> None:
+    """A ``py`` or ``python3`` fence would escape the test above: say ``python`` or ``text``."""
+    escaping = [
+        f"{page.relative_to(DOCS)}: ```{language}"
+        for page in sorted(DOCS.rglob("*.md"))
+        for language in FENCE.findall(page.read_text())
+        if language.lower() in {"py", "python3", "py3", "pycon", "ipython"}
+    ]
+    assert not escaping, escaping

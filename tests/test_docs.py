@@ -1,5 +1,5 @@
 """The docs stay true: the error page matches the error table, the decision log keeps its ids,
-and every ``python`` example runs."""
+every ``python`` example runs, and the home page's quick start is the README's."""
 
 from __future__ import annotations
 
@@ -113,3 +113,12 @@ def test_every_python_example_is_fenced_as_python() -> None:
         if language.lower() in {"py", "python3", "py3", "pycon", "ipython"}
     ]
     assert not escaping, escaping
+
+
+def test_the_home_page_opens_with_the_readme_quick_start() -> None:
+    def quick_start(text: str) -> str:
+        return text.split("```bash\n", 1)[1].split("```", 1)[0]
+
+    assert quick_start((DOCS / "index.md").read_text()) == quick_start(
+        (ROOT / "README.md").read_text()
+    )

@@ -44,7 +44,7 @@ pytest: $(STAMP)
 	$(BIN)/pytest -m "not soak" $(PYTEST_WORKERS) $(PYTEST_FLAGS)
 
 docs: $(STAMP)
-	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(CURDIR)/.site
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir $(CURDIR)/.site
 
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve

@@ -44,6 +44,7 @@ from protocols import (
     RetireReply,
     RetireRequest,
     StatusReply,
+    WireError,
     dump_wire,
     error_from_envelope,
 )
@@ -55,7 +56,7 @@ STATUS_TIMEOUT_SECONDS: Final = 60.0
 R = TypeVar("R", bound=BaseModel)
 
 
-class NotAParticipantError(Exception):
+class NotAParticipantError(MidflightError):
     """The server answered 404 on the status route: it has no control routes."""
 
 
@@ -67,7 +68,7 @@ def is_retryable(error: BaseException) -> bool:
     """
     if isinstance(error, httpx.TransportError):
         return True
-    return isinstance(error, MidflightError) and error.retryable
+    return isinstance(error, WireError) and error.retryable
 
 
 class ControlClient:
@@ -187,7 +188,7 @@ class ControlClient:
 
         Raises:
             NotAParticipantError: The server has no control routes (404).
-            MidflightError: Any other refusal, typed by its code.
+            WireError: Any other refusal, typed by its code.
         """
         return await self._call("GET", "status", None, StatusReply, budget=lambda: probe_seconds)
 

@@ -99,7 +99,7 @@ class LedgerClient:
             InvalidRolloutIdError: The id is invalid (nothing was sent).
             RolloutRetiredError: The key is retired (HTTP 410).
             ValueError: The server answered with another rollout's manifest.
-            MidflightError: Any other refusal, typed by its code.
+            WireError: Any other refusal, typed by its code.
         """
         key = validate_ledger_key(rollout_id)
         payload = await self._send("GET", f"/rollouts/{key}/manifest")
@@ -128,7 +128,7 @@ class LedgerClient:
         Raises:
             TypeError: A bare string was passed.
             InvalidRolloutIdError: Any id is invalid (nothing was sent).
-            MidflightError: A batch was refused (earlier batches stay applied; retrying the
+            WireError: A batch was refused (earlier batches stay applied; retrying the
                 same list is safe, both operations are idempotent).
         """
         return await self._batched("retire", rollout_ids)

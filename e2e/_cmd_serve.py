@@ -26,7 +26,7 @@ import typer
 import uvicorn
 
 from participants import ControlSettings
-from protocols import DEFAULT_LEASE_GRACE_SECONDS
+from protocols import DEFAULT_LEASE_GRACE_SECONDS, MidflightError
 
 from ._cluster import Cluster, Role, default_cluster, read_cluster
 
@@ -161,7 +161,7 @@ def configure_server_logging() -> None:
     logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
 
 
-class PortInUseError(OSError):
+class PortInUseError(MidflightError, OSError):
     """The port a server was told to bind is taken (or not ours to bind)."""
 
 

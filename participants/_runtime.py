@@ -37,7 +37,6 @@ from protocols import (
     ForgetReply,
     ForgetRequest,
     InvalidPhaseError,
-    MidflightError,
     Phase,
     PhaseEvent,
     PrepareReply,
@@ -50,6 +49,7 @@ from protocols import (
     RetireRequest,
     StaleCheckpointError,
     StatusReply,
+    WireError,
     next_phase,
 )
 
@@ -314,7 +314,7 @@ class ControlPlane:
         started = time.perf_counter()
         try:
             reply = await work()
-        except MidflightError as exc:
+        except WireError as exc:
             self.telemetry.operation(
                 operation,
                 outcome="refused",

@@ -26,6 +26,7 @@ from typing import Any, Protocol
 from protocols import (
     CaptureAdmission,
     CommitCoords,
+    MidflightError,
     StagedCallRecord,
     StagedEntry,
     TokenStagingStore,
@@ -37,7 +38,7 @@ from protocols import (
 _log = logging.getLogger(__name__)
 
 
-class CaptureError(Exception):
+class CaptureError(MidflightError):
     """A caller broke the capture lifecycle or handed over a prefix that does not belong.
 
     These are caller bugs, never reasons to poison a call.

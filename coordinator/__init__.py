@@ -14,13 +14,7 @@
 """
 
 from ._checkpoint import CheckpointOutcome, checkpoint
-from ._client import (
-    DEFAULT_CONTROL_ATTEMPTS,
-    STATUS_TIMEOUT_SECONDS,
-    ControlClient,
-    NotAParticipantError,
-    is_retryable,
-)
+from ._client import STATUS_TIMEOUT_SECONDS, ControlClient, NotAParticipantError
 from ._discovery import DISCOVERY_ATTEMPTS, discover
 from ._fixed_order import CoordinationError, Coordinator, Member, PrepareResult
 from ._ledger_client import LedgerClient
@@ -45,6 +39,7 @@ from ._retention import (
     unpin_checkpoint,
     verify_checkpoint,
 )
+from ._retry import DEFAULT_CONTROL_ATTEMPTS, is_retryable
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",

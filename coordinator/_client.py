@@ -4,8 +4,10 @@ Each client owns its own connection pool, used for nothing but control calls, so
 traffic that fills a host's connection limit can never starve a prepare or a resume. Every POST is
 bounded by the time left until its ``deadline_ts`` plus ``COORDINATION_REPLY_SLACK_SECONDS`` (the
 participant bounds its own work by the deadline; the slack lets its reply travel back). A non-200
-reply becomes the typed exception of its code. Retries apply at this one boundary, with the same
-checkpoint id, and only to transport failures and codes the error table marks retryable.
+reply becomes the typed exception of its code. Retries apply at one boundary, the
+``RetryingCaller`` of ``_retry.py`` that ``LedgerClient`` shares, with the same checkpoint id, and
+only to transport failures and codes the error table marks retryable; no attempt starts after the
+call's deadline.
 """
 
 from __future__ import annotations
@@ -14,16 +16,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Final, TypeVar
 
-import anyio
 import httpx
 from pydantic import BaseModel
-from tenacity import (
-    AsyncRetrying,
-    retry_if_exception,
-    stop_after_attempt,
-    wait_exponential,
-)
-from tenacity.stop import stop_base
 from tenacity.wait import wait_base
 
 from protocols import (
@@ -45,29 +39,18 @@ from protocols import (
     RetireRequest,
     StatusReply,
     dump_wire,
-    error_from_envelope,
 )
 
-DEFAULT_CONTROL_ATTEMPTS: Final = 3
+from ._retry import DEFAULT_CONTROL_ATTEMPTS, RetryingCaller, RetryPolicy
+
 STATUS_TIMEOUT_SECONDS: Final = 60.0
 """Cap of one status probe (discovery), as in the reference."""
 
 R = TypeVar("R", bound=BaseModel)
 
 
-class NotAParticipantError(Exception):
+class NotAParticipantError(MidflightError):
     """The server answered 404 on the status route: it has no control routes."""
-
-
-def is_retryable(error: BaseException) -> bool:
-    """Whether a failed control call may be sent again with the same checkpoint id.
-
-    Transport failures (the request may not have arrived, or its reply was lost) and error codes
-    marked retryable are; every other refusal is final.
-    """
-    if isinstance(error, httpx.TransportError):
-        return True
-    return isinstance(error, MidflightError) and error.retryable
 
 
 class ControlClient:
@@ -97,17 +80,19 @@ class ControlClient:
     ) -> None:
         if not token:
             raise ValueError("the control client needs a non-empty control token")
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
+        policy = RetryPolicy.of(attempts, wait)
         self.url = url.rstrip("/")
         self.attempts = attempts
-        self._wait: wait_base = wait or wait_exponential(multiplier=0.2, max=2.0)
         # A pool of our own: data clients elsewhere in the controller never share it.
-        self._http = httpx.AsyncClient(
-            base_url=self.url + CONTROL_PREFIX,
-            headers={"authorization": f"Bearer {token}"},
+        self._caller = RetryingCaller(
+            self.url,
+            prefix=CONTROL_PREFIX,
+            token=token,
+            name="control",
+            policy=policy,
             transport=transport,
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=2),
+            check_reply=self._refuse_a_non_participant,
         )
 
     async def __aenter__(self) -> ControlClient:
@@ -118,32 +103,14 @@ class ControlClient:
 
     async def aclose(self) -> None:
         """Close the reserved connection pool."""
-        await self._http.aclose()
+        await self._caller.aclose()
 
     # ------------------------------------------------------------------ transport
 
-    async def _send_once(self, method: str, route: str, body: Any, budget: float) -> Any:
-        try:
-            with anyio.fail_after(budget):
-                reply = await self._http.request(method, f"/{route}", json=body, timeout=budget)
-        except TimeoutError:
-            raise TimeoutError(
-                f"control {route} to {self.url} got no reply within {budget:.1f} s"
-            ) from None
-        except httpx.TimeoutException as exc:
-            # httpx's own timeout: treat like a lost reply (retryable transport failure).
-            raise httpx.ReadTimeout(
-                f"control {route} to {self.url} timed out: {exc}", request=exc.request
-            ) from exc
-        if reply.status_code == 404 and route == "status":
+    def _refuse_a_non_participant(self, path: str, reply: httpx.Response) -> None:
+        # A 404 on status is not an envelope: the server has no control routes at all.
+        if reply.status_code == 404 and path == "/status":
             raise NotAParticipantError(f"{self.url} has no control routes (HTTP 404)")
-        try:
-            payload = reply.json()
-        except ValueError:
-            payload = reply.text
-        if reply.status_code != 200:
-            raise error_from_envelope(reply.status_code, payload)
-        return payload
 
     async def _call(
         self,
@@ -153,18 +120,12 @@ class ControlClient:
         reply_model: type[R],
         *,
         budget: Callable[[], float],
-        stop: stop_base | None = None,
+        deadline_ts: float | None = None,
     ) -> R:
         wire = None if body is None else dump_wire(body)
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(is_retryable),
-            stop=stop or stop_after_attempt(self.attempts),
-            wait=self._wait,
-            reraise=True,
+        payload = await self._caller.call(
+            method, f"/{route}", wire, budget=budget, deadline_ts=deadline_ts
         )
-        async for attempt in retrying:
-            with attempt:
-                payload = await self._send_once(method, route, wire, budget())
         return reply_model.model_validate(payload)
 
     def _post(self, route: str, body: CheckpointRequest, reply_model: type[R]) -> Any:
@@ -173,12 +134,8 @@ class ControlClient:
         def budget() -> float:
             return max(0.0, deadline - time.time()) + COORDINATION_REPLY_SLACK_SECONDS
 
-        def past_deadline(_state: Any) -> bool:
-            # No point retrying once the participant would refuse the deadline anyway.
-            return time.time() >= deadline
-
-        stop = stop_after_attempt(self.attempts) | _Stop(past_deadline)
-        return self._call("POST", route, body, reply_model, budget=budget, stop=stop)
+        # No retry once the deadline has passed: the participant would refuse it anyway.
+        return self._call("POST", route, body, reply_model, budget=budget, deadline_ts=deadline)
 
     # ------------------------------------------------------------------ operations
 
@@ -187,7 +144,7 @@ class ControlClient:
 
         Raises:
             NotAParticipantError: The server has no control routes (404).
-            MidflightError: Any other refusal, typed by its code.
+            WireError: Any other refusal, typed by its code.
         """
         return await self._call("GET", "status", None, StatusReply, budget=lambda: probe_seconds)
 
@@ -265,13 +222,3 @@ class ControlClient:
         )
         reply: ForgetReply = await self._post("forget", request, ForgetReply)
         return reply
-
-
-class _Stop(stop_base):
-    """A tenacity stop condition from a predicate on the retry state."""
-
-    def __init__(self, predicate: Callable[[Any], bool]) -> None:
-        self._predicate = predicate
-
-    def __call__(self, retry_state: Any) -> bool:
-        return self._predicate(retry_state)

@@ -33,6 +33,7 @@ from protocols import (
     RestoreReply,
     ResumeReply,
     RetireReply,
+    WireError,
     validate_rollout_ids,
 )
 
@@ -48,13 +49,13 @@ async def _no_boundary_hook(_boundary: str) -> None:
     return None
 
 
-class CoordinationError(Exception):
+class CoordinationError(MidflightError):
     """One coordinated operation failed on some participants.
 
     Attributes:
         operation: The operation (``prepare``, ``commit``, ``restore``, …).
         failures: Server name → what went wrong there.
-        causes: Server name → the exception itself (typed ``MidflightError`` when the server
+        causes: Server name → the exception itself (typed ``WireError`` when the server
             answered with an error envelope).
     """
 
@@ -134,7 +135,7 @@ class PrepareResult:
 
 
 def _describe(error: BaseException) -> str:
-    if isinstance(error, MidflightError):
+    if isinstance(error, WireError):
         # The wire code first: it is what an operator greps for and what the error table lists.
         return f"{error.code}: {error.detail}"
     return f"{type(error).__name__}: {error}"

@@ -2,7 +2,11 @@
 
 Every id list is validated and de-duplicated whole before any request goes out, so an invalid id
 in what would be a later batch fails before the first batch is sent. Lists longer than
-``MAX_LEDGER_BATCH`` are split; results are concatenated in batch order.
+``MAX_LEDGER_BATCH`` are split; results are concatenated in batch order. Each request goes through
+the same retrying boundary as ``ControlClient`` (``_retry.RetryingCaller``): bounded by
+``request_timeout_s`` per attempt, a refusal typed by its code, and only transport failures and
+retryable codes (``checkpoint_open``, say) tried again. Every ledger call is idempotent (a manifest
+is a read; retire and delete of the same ids converge on the same state), so a repeat is safe.
 """
 
 from __future__ import annotations
@@ -10,18 +14,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import anyio
 import httpx
+from tenacity.wait import wait_base
 
 from protocols import (
     LEDGER_CONTROL_PREFIX,
     MAX_LEDGER_BATCH,
     RolloutManifest,
     RolloutRemoval,
-    error_from_envelope,
     validate_ledger_key,
     validate_ledger_keys,
 )
+
+from ._retry import DEFAULT_CONTROL_ATTEMPTS, RetryingCaller, RetryPolicy
 
 
 class LedgerClient:
@@ -30,12 +35,15 @@ class LedgerClient:
     Args:
         base_url: The model server's root URL; a trailing ``/`` is ignored.
         capture_token: The bearer token of the ledger routes.
-        request_timeout_s: Deadline of each request, in seconds.
+        request_timeout_s: Deadline of each attempt of a request, in seconds.
         batch_size: Most ids per request (at most ``MAX_LEDGER_BATCH``).
         transport: An httpx transport (tests pass ``httpx.ASGITransport``).
+        attempts: How many times a retryable failure is tried in all.
+        wait: The pause between attempts (a tenacity wait strategy).
 
     Raises:
-        ValueError: Empty token, non-positive timeout or batch size out of range.
+        ValueError: Empty token, non-positive timeout, batch size out of range or fewer than one
+            attempt.
     """
 
     def __init__(
@@ -46,6 +54,8 @@ class LedgerClient:
         request_timeout_s: float = 30.0,
         batch_size: int = MAX_LEDGER_BATCH,
         transport: httpx.AsyncBaseTransport | None = None,
+        attempts: int = DEFAULT_CONTROL_ATTEMPTS,
+        wait: wait_base | None = None,
     ) -> None:
         if not capture_token:
             raise ValueError("the ledger client needs a non-empty capture token")
@@ -53,14 +63,18 @@ class LedgerClient:
             raise ValueError("request_timeout_s must be positive")
         if not 1 <= batch_size <= MAX_LEDGER_BATCH:
             raise ValueError(f"batch_size must be between 1 and {MAX_LEDGER_BATCH}")
+        policy = RetryPolicy.of(attempts, wait)
         self.base_url = base_url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.batch_size = batch_size
-        self._client = httpx.AsyncClient(
-            base_url=self.base_url + LEDGER_CONTROL_PREFIX,
-            headers={"authorization": f"Bearer {capture_token}"},
+        self.attempts = attempts
+        self._caller = RetryingCaller(
+            self.base_url,
+            prefix=LEDGER_CONTROL_PREFIX,
+            token=capture_token,
+            name="ledger control",
+            policy=policy,
             transport=transport,
-            timeout=request_timeout_s,
         )
 
     async def __aenter__(self) -> LedgerClient:
@@ -71,23 +85,10 @@ class LedgerClient:
 
     async def aclose(self) -> None:
         """Close the connection pool."""
-        await self._client.aclose()
+        await self._caller.aclose()
 
     async def _send(self, method: str, path: str, body: Any = None) -> Any:
-        try:
-            with anyio.fail_after(self.request_timeout_s):
-                reply = await self._client.request(method, path, json=body)
-        except TimeoutError:
-            raise TimeoutError(
-                f"ledger control request {method} {path} exceeded {self.request_timeout_s}s"
-            ) from None
-        try:
-            payload = reply.json()
-        except ValueError:
-            payload = reply.text
-        if reply.status_code != 200:
-            raise error_from_envelope(reply.status_code, payload)
-        return payload
+        return await self._caller.call(method, path, body, budget=lambda: self.request_timeout_s)
 
     async def manifest(self, rollout_id: str) -> RolloutManifest:
         """The manifest of one capture key.
@@ -99,7 +100,9 @@ class LedgerClient:
             InvalidRolloutIdError: The id is invalid (nothing was sent).
             RolloutRetiredError: The key is retired (HTTP 410).
             ValueError: The server answered with another rollout's manifest.
-            MidflightError: Any other refusal, typed by its code.
+            WireError: Any other refusal, typed by its code (a retryable one only once the
+                attempts are used up).
+            TimeoutError: An attempt got no reply within ``request_timeout_s``.
         """
         key = validate_ledger_key(rollout_id)
         payload = await self._send("GET", f"/rollouts/{key}/manifest")
@@ -128,8 +131,10 @@ class LedgerClient:
         Raises:
             TypeError: A bare string was passed.
             InvalidRolloutIdError: Any id is invalid (nothing was sent).
-            MidflightError: A batch was refused (earlier batches stay applied; retrying the
-                same list is safe, both operations are idempotent).
+            WireError: A batch was refused, after its retries where the code is retryable
+                (earlier batches stay applied; retrying the same list is safe, both operations
+                are idempotent). A batch whose first reply was lost and was sent again reports
+                the keys that first attempt removed as ``absent``.
         """
         return await self._batched("retire", rollout_ids)
 

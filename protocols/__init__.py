@@ -67,6 +67,7 @@ from ._errors import (
     StaleAttemptError,
     StaleCheckpointError,
     UnauthorizedError,
+    WireError,
     error_from_envelope,
 )
 from ._hashes import (
@@ -310,6 +311,7 @@ __all__ = [
     "TokenStagingStore",
     "ToolCallItem",
     "UnauthorizedError",
+    "WireError",
     "as_request_items",
     "assistant_fingerprint",
     "build_manifest",

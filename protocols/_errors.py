@@ -1,33 +1,49 @@
 """The error table and the exception tree.
 
-Every refusal midflight sends or receives has a stable wire code, an HTTP status and a retryable
-flag. The table below is the single source of truth; each code has one exception class, and the
-server turns an exception into the envelope ``{"error": {"code", "detail"}}`` while the client
-turns an envelope back into the same class.
+Every exception midflight defines, in any of its four packages, derives from ``MidflightError``,
+so ``except MidflightError`` catches whatever midflight raises of its own. Under it, ``WireError``
+is the base of every refusal that travels: each has a stable wire code, an HTTP status and a
+retryable flag, one class per code. The table below is the single source of truth for them; the
+server turns such an exception into the envelope ``{"error": {"code", "detail"}}`` while the
+client turns an envelope back into the same class. The other leaves never cross the wire: they
+report a local failure, and a few keep a standard base (in parentheses) that callers catch.
 
 Exception tree::
 
     MidflightError
-     ├── UnauthorizedError                   401 unauthorized
-     ├── InvalidRequestError                 422 invalid_request
-     ├── InvalidCheckpointStateError         422 invalid_checkpoint_state
-     ├── RolloutIdRequiredError              400 rollout_id_required
-     ├── InvalidRolloutIdError               400 invalid_rollout_id
-     ├── StaleCheckpointError                409 stale_checkpoint
-     ├── CheckpointConflictError             409 checkpoint_conflict
-     ├── InvalidPhaseError                   409 invalid_phase
-     ├── DeadlineExceededError               409 deadline_exceeded        (retryable)
-     ├── AdmissionClosedError                409 admission_closed         (retryable)
-     ├── StaleAttemptError                   409 stale_attempt
-     ├── RestartInScopeError                 409 restart_in_scope
-     ├── RetireIncompleteError               409 retire_incomplete        (retryable)
-     ├── ActivationOutOfOrderError           409 activation_out_of_order
-     ├── CheckpointOpenError                 409 checkpoint_open          (retryable)
-     ├── CheckpointError                     409 checkpoint_error
-     ├── RolloutRetiredError                 410 rollout_retired
-     ├── RequestTooLargeError                413 request_too_large
-     ├── CheckpointCoordinatorUnavailableError 503 checkpoint_coordinator_unavailable (retryable)
-     └── InternalError                       500 internal_error           (retryable)
+    ├── WireError
+    │   ├── UnauthorizedError                     401 unauthorized
+    │   ├── InvalidRequestError                   422 invalid_request
+    │   ├── InvalidCheckpointStateError           422 invalid_checkpoint_state
+    │   ├── RolloutIdRequiredError                400 rollout_id_required
+    │   ├── InvalidRolloutIdError                 400 invalid_rollout_id
+    │   ├── StaleCheckpointError                  409 stale_checkpoint
+    │   ├── CheckpointConflictError               409 checkpoint_conflict
+    │   ├── InvalidPhaseError                     409 invalid_phase
+    │   ├── DeadlineExceededError                 409 deadline_exceeded                  retryable
+    │   ├── AdmissionClosedError                  409 admission_closed                   retryable
+    │   ├── StaleAttemptError                     409 stale_attempt
+    │   ├── RestartInScopeError                   409 restart_in_scope
+    │   ├── RetireIncompleteError                 409 retire_incomplete                  retryable
+    │   ├── ActivationOutOfOrderError             409 activation_out_of_order
+    │   ├── CheckpointOpenError                   409 checkpoint_open                    retryable
+    │   ├── CheckpointError                       409 checkpoint_error
+    │   ├── RolloutRetiredError                   410 rollout_retired
+    │   ├── RequestTooLargeError                  413 request_too_large
+    │   ├── CheckpointCoordinatorUnavailableError 503 checkpoint_coordinator_unavailable retryable
+    │   └── InternalError                         500 internal_error                     retryable
+    ├── CaptureError                              participants: the capture lifecycle was broken
+    │   └── StreamingUnsupportedError             participants: staging takes whole responses
+    ├── CoordinationError                         coordinator: an operation failed on some servers
+    ├── NotAParticipantError                      coordinator: the status route answered 404
+    ├── ContinuationRefused                       e2e: the worker refused a generation cut
+    ├── DrillStalledError (RuntimeError)          e2e: the drill stopped making progress
+    ├── PortInUseError (OSError)                  e2e: a serve port is taken or not permitted
+    └── TokenSequenceError (ValueError)           e2e: a manifest's token chain does not hold
+
+``tests/test_error_tree.py`` imports every module of the four packages and fails when an exception
+class does not derive from ``MidflightError`` or when this drawing (or the one in
+``docs/errors.md``) disagrees with the classes.
 """
 
 from __future__ import annotations
@@ -135,6 +151,14 @@ ERRORS_BY_CODE: Final = MappingProxyType({spec.code: spec for spec in ERROR_TABL
 
 
 class MidflightError(Exception):
+    """Root of every exception midflight defines.
+
+    Catch it to handle anything midflight raises of its own. Only its ``WireError`` branch has a
+    wire form; the other branches are local failures (see the tree in this module's docstring).
+    """
+
+
+class WireError(MidflightError):
     """Root of every error that has a wire code.
 
     Args:
@@ -174,132 +198,130 @@ def _spec(code: str) -> ErrorSpec:
     return ERRORS_BY_CODE[code]
 
 
-class UnauthorizedError(MidflightError):
+class UnauthorizedError(WireError):
     """Missing or wrong bearer token."""
 
     spec = _spec("unauthorized")
 
 
-class InvalidRequestError(MidflightError):
+class InvalidRequestError(WireError):
     """The body or parameters fail validation."""
 
     spec = _spec("invalid_request")
 
 
-class InvalidCheckpointStateError(MidflightError):
+class InvalidCheckpointStateError(WireError):
     """A manifest or records file is missing, corrupt, foreign or conflicting, or I/O failed."""
 
     spec = _spec("invalid_checkpoint_state")
 
 
-class RolloutIdRequiredError(MidflightError):
+class RolloutIdRequiredError(WireError):
     """Work arrived without a rollout id."""
 
     spec = _spec("rollout_id_required")
 
 
-class InvalidRolloutIdError(MidflightError):
+class InvalidRolloutIdError(WireError):
     """A rollout id or capture key is malformed; nothing was changed."""
 
     spec = _spec("invalid_rollout_id")
 
 
-class StaleCheckpointError(MidflightError):
+class StaleCheckpointError(WireError):
     """The checkpoint id was already resumed, or its lease expired."""
 
     spec = _spec("stale_checkpoint")
 
 
-class CheckpointConflictError(MidflightError):
+class CheckpointConflictError(WireError):
     """Another checkpoint is active, or a retry changed its arguments."""
 
     spec = _spec("checkpoint_conflict")
 
 
-class InvalidPhaseError(MidflightError):
+class InvalidPhaseError(WireError):
     """The operation is not allowed in the participant's current phase."""
 
     spec = _spec("invalid_phase")
 
 
-class DeadlineExceededError(MidflightError):
+class DeadlineExceededError(WireError):
     """The deadline passed before or during I/O; retry with the same id."""
 
     spec = _spec("deadline_exceeded")
 
 
-class AdmissionClosedError(MidflightError):
+class AdmissionClosedError(WireError):
     """New work while a checkpoint is open; retry after resume."""
 
     spec = _spec("admission_closed")
 
 
-class StaleAttemptError(MidflightError):
+class StaleAttemptError(WireError):
     """A request of a retired or fenced attempt."""
 
     spec = _spec("stale_attempt")
 
 
-class RestartInScopeError(MidflightError):
+class RestartInScopeError(WireError):
     """A commit scope names an episode the participant reported as a restart."""
 
     spec = _spec("restart_in_scope")
 
 
-class RetireIncompleteError(MidflightError):
+class RetireIncompleteError(WireError):
     """Forget named a rollout whose retired state is not freed yet."""
 
     spec = _spec("retire_incomplete")
 
 
-class ActivationOutOfOrderError(MidflightError):
+class ActivationOutOfOrderError(WireError):
     """An agent activation index is neither the last completed one nor the next."""
 
     spec = _spec("activation_out_of_order")
 
 
-class CheckpointOpenError(MidflightError):
+class CheckpointOpenError(WireError):
     """Ledger retire or delete while a checkpoint is open on the model server."""
 
     spec = _spec("checkpoint_open")
 
 
-class CheckpointError(MidflightError):
+class CheckpointError(WireError):
     """Any other refusal of a control operation."""
 
     spec = _spec("checkpoint_error")
 
 
-class RolloutRetiredError(MidflightError):
+class RolloutRetiredError(WireError):
     """The ledger of a retired rollout was asked for."""
 
     spec = _spec("rollout_retired")
 
 
-class RequestTooLargeError(MidflightError):
+class RequestTooLargeError(WireError):
     """A request body is over the server's limit; it was refused before being parsed."""
 
     spec = _spec("request_too_large")
 
 
-class CheckpointCoordinatorUnavailableError(MidflightError):
+class CheckpointCoordinatorUnavailableError(WireError):
     """A multi-worker server's link to its coordinator is down."""
 
     spec = _spec("checkpoint_coordinator_unavailable")
 
 
-class InternalError(MidflightError):
+class InternalError(WireError):
     """A bug. Never the answer to bad input."""
 
     spec = _spec("internal_error")
 
 
-ERROR_CLASSES: Final = MappingProxyType(
-    {cls.spec.code: cls for cls in MidflightError.__subclasses__()}
-)
+ERROR_CLASSES: Final = MappingProxyType({cls.spec.code: cls for cls in WireError.__subclasses__()})
 
 
-def error_from_envelope(status: int, body: Any) -> MidflightError:
+def error_from_envelope(status: int, body: Any) -> WireError:
     """Turn an error reply back into its exception.
 
     Args:

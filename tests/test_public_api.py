@@ -44,7 +44,7 @@ PUBLIC = {
         "RetireRequest", "RolloutId", "RolloutIdRequiredError", "RolloutManifest",
         "RolloutRemoval", "RolloutRetiredError", "StagedCallRecord", "StagedEntry",
         "StaleAttemptError", "StaleCheckpointError", "StatusReply", "TokenStagingStore",
-        "ToolCallItem", "UnauthorizedError", "as_request_items", "assistant_fingerprint",
+        "ToolCallItem", "UnauthorizedError", "WireError", "as_request_items", "assistant_fingerprint",
         "build_manifest", "capture_key", "compute_chain_hash", "compute_extras_digest",
         "compute_staging_digest", "conversation_digest", "custody_row", "decode",
         "decode_record_line", "dump_wire", "encode", "encode_record_line", "encode_row",

@@ -29,7 +29,7 @@ from coordinator import (
     read_checkpoint,
     read_latest,
 )
-from protocols import EpisodeId, MidflightError
+from protocols import EpisodeId, WireError
 
 from .._servers.cluster import Cluster, read_cluster
 from .._servers.context import CONTROL_TOKEN_ENV
@@ -105,7 +105,7 @@ def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -
     try:
         with spinner:
             return anyio.run(work)
-    except (CoordinationError, MidflightError) as exc:
+    except (CoordinationError, WireError) as exc:
         failures = getattr(exc, "failures", {})
         message = str(exc)
         payload = {"ok": False, "error": message, "failures": failures}
@@ -132,7 +132,7 @@ def _watch_json(cluster: Cluster, token: str, every: float, rows: list[dict[str,
 def _episodes(keys: list[str]) -> list[EpisodeId]:
     try:
         return [EpisodeId.from_capture_key(key) for key in keys]
-    except (MidflightError, ValueError) as exc:
+    except (WireError, ValueError) as exc:
         usage_error(str(exc))
 
 
@@ -258,7 +258,7 @@ def register(app: typer.Typer) -> None:
             manifest = (
                 read_checkpoint(servers.root, source) if source else read_latest(servers.root)
             )
-        except (MidflightError, ValueError) as exc:
+        except (WireError, ValueError) as exc:
             usage_error(str(exc))
         if manifest is None:
             usage_error(f"nothing is published under {servers.root}")

@@ -26,7 +26,7 @@ from protocols import (
     PHASE_TRANSITIONS,
     PREPARE_ORDER,
     EpisodeId,
-    MidflightError,
+    WireError,
     participant_directory,
     task_digest,
 )
@@ -146,14 +146,14 @@ def run_demo(root: Path, *, records: int = 5) -> dict[str, Any]:
     try:
         writer("ckpt-1").write(episodes[:1])
         conflict = "accepted (wrong!)"
-    except MidflightError as exc:
+    except WireError as exc:
         conflict = exc.code
     stopped = writer("ckpt-1")
     stopped.stop()
     try:
         stopped.write(episodes)
         stop_result = "published (wrong!)"
-    except MidflightError as exc:
+    except WireError as exc:
         stop_result = exc.code
 
     records_path = directory / manifest["records_file"]
@@ -163,7 +163,7 @@ def run_demo(root: Path, *, records: int = 5) -> dict[str, Any]:
     try:
         read_participant_checkpoint(directory, kind="environment", instance="environment")
         corrupt = "accepted (wrong!)"
-    except MidflightError as exc:
+    except WireError as exc:
         corrupt = f"{exc.code}: {exc.detail}"
     return {
         "manifest": manifest,

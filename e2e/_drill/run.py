@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from protocols import MidflightError
+
 from .._launch.lifeline import Lifeline
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
 from .._servers.evidence import EvidenceLog
@@ -43,7 +45,7 @@ RESTART_ENVIRONMENT: Final = "environment-restart"
 """The second agent (restart-only) and the environment that drives it."""
 
 
-class DrillStalledError(RuntimeError):
+class DrillStalledError(MidflightError, RuntimeError):
     """A phase's controller exited early or made no progress within the phase timeout."""
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from participants import FileTokenStagingStore
+from protocols import MidflightError
 
 
-class TokenSequenceError(ValueError):
+class TokenSequenceError(MidflightError, ValueError):
     """The manifest and the staging store do not add up to one token sequence."""
 
 

@@ -27,8 +27,8 @@ from protocols import (
     CONTROL_PREFIX,
     CheckpointCoordinatorUnavailableError,
     EpisodeId,
-    MidflightError,
     UnauthorizedError,
+    WireError,
 )
 
 from .._servers.peer_pool import PEER_POOL
@@ -112,7 +112,7 @@ class WorkerRouting:
             return None
         try:
             rollout = EpisodeId.from_capture_key(parts[2]).rollout_id
-        except (MidflightError, ValueError):
+        except (WireError, ValueError):
             return None  # the app refuses it with its own typed error
         return slot_of(rollout, len(self.peers))
 
@@ -127,7 +127,7 @@ class WorkerRouting:
             try:
                 reply = await self.member.relay_control(operation, body)
                 response = JSONResponse(reply)
-            except MidflightError as exc:
+            except WireError as exc:
                 response = error_response(exc)
         await response(scope, receive, send)
 
@@ -180,7 +180,7 @@ class WorkerRouting:
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             health = await self.member.health()
-        except (MidflightError, RuntimeError) as exc:  # a broken link, or not connected yet
+        except (WireError, RuntimeError) as exc:  # a broken link, or not connected yet
             health = {"ready": False, "detail": f"the coordinator did not answer: {exc!r}"}
         if health.get("ready"):
             await self.app(scope, receive, send)

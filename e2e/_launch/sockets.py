@@ -5,10 +5,12 @@ from __future__ import annotations
 import errno
 import socket
 
+from protocols import MidflightError
+
 from .._servers.context import HOST
 
 
-class PortInUseError(OSError):
+class PortInUseError(MidflightError, OSError):
     """The port a server was told to bind is taken (or not ours to bind)."""
 
 

@@ -30,7 +30,7 @@ from participants import (
     error_responses,
     participant_app,
 )
-from protocols import EpisodeId, InternalError, MidflightError, error_from_envelope
+from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 
 from .context import ServeContext, control_settings
 from .peer_pool import PEER_POOL
@@ -79,7 +79,7 @@ class HttpAgentPeers:
         self.resources: httpx.AsyncClient | None = None
 
     @staticmethod
-    def _refusal(reply: httpx.Response, peer: str) -> MidflightError:
+    def _refusal(reply: httpx.Response, peer: str) -> WireError:
         try:
             body = reply.json()
         except ValueError:  # not JSON: the envelope parser reports the bare status

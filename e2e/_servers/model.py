@@ -57,10 +57,10 @@ from protocols import (
     EpisodeId,
     InvalidRequestError,
     LineageResolution,
-    MidflightError,
     RequestItem,
     RequestItems,
     StaleAttemptError,
+    WireError,
     as_request_items,
     conversation_digest,
     decode,
@@ -249,7 +249,7 @@ class PolicyServer:
                 self.participant.release(ticket)
                 # A cut claimed from the coordinator that no response used goes back to it;
                 # the channel's own timeout bounds this, even for a cancelled call.
-                with anyio.CancelScope(shield=True), contextlib.suppress(MidflightError):
+                with anyio.CancelScope(shield=True), contextlib.suppress(WireError):
                     await self.participant.return_unused_cut(ticket)
         raise StaleAttemptError(f"{key} was retired while its call was in flight")
 

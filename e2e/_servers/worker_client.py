@@ -22,6 +22,7 @@ from protocols import (
     GenerationCutInventory,
     GenerationCutReceipt,
     InternalError,
+    MidflightError,
 )
 
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
@@ -40,7 +41,7 @@ The worker checks the cut (staged prefix, digest, prompt) before it generates an
 answers ``invalid_request`` (422) when it does not fit; 400 is what other workers use."""
 
 
-class ContinuationRefused(Exception):
+class ContinuationRefused(MidflightError):
     """The worker refused a restored cut before generating: the call is sent again without it."""
 
 

@@ -86,7 +86,7 @@ class SeededSession:
 class EnvironmentPeers(Protocol):
     """The agent and resources servers, as the episode driver calls them.
 
-    Every method raises a ``MidflightError`` for a refusal and any other exception when the peer
+    Every method raises a ``WireError`` for a refusal and any other exception when the peer
     cannot be reached; ``key`` is the capture key of the attempt.
     """
 

@@ -27,10 +27,10 @@ from protocols import (
     CheckpointRequest,
     DeadlineExceededError,
     EpisodeId,
-    MidflightError,
     ParticipantKind,
     PrepareReport,
     StaleAttemptError,
+    WireError,
     task_digest,
 )
 
@@ -201,7 +201,7 @@ class EnvironmentParticipant(BaseParticipant):
                     # No episode finishes while a checkpoint is open: it parks at its last
                     # boundary (None after a failed replay step) and reports after the resume.
                     await self.steps.boundary(episode, episode.boundary)
-                    code = failure.code if isinstance(failure, MidflightError) else "internal_error"
+                    code = failure.code if isinstance(failure, WireError) else "internal_error"
                     # Some errors (a bare timeout) say nothing: the detail then names the type.
                     detail = str(failure) or repr(failure)
                     outcome.append(EpisodeOutcome(failure={"code": code, "detail": detail}))

@@ -26,7 +26,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from protocols import (
     CheckpointCoordinatorUnavailableError,
     InvalidCheckpointStateError,
-    MidflightError,
+    WireError,
     error_from_envelope,
 )
 
@@ -40,7 +40,7 @@ SOCKET_ENV: Final = "MIDFLIGHT_WORKER_SOCKET"
 """The environment variable naming the coordinator's socket path in every worker."""
 
 Handler = Callable[[str, Any], Awaitable[Any]]
-"""Answers one request: ``(kind, body) -> reply body``; raises a ``MidflightError`` to refuse."""
+"""Answers one request: ``(kind, body) -> reply body``; raises a ``WireError`` to refuse."""
 
 _log = structlog.get_logger("midflight.workers")
 _HEADER = struct.Struct(">I")
@@ -50,7 +50,7 @@ class _Pending:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.body: Any = None
-        self.error: MidflightError | None = None
+        self.error: WireError | None = None
 
 
 class Channel:
@@ -93,7 +93,7 @@ class Channel:
 
         Raises:
             CheckpointCoordinatorUnavailableError: The channel closed or no reply came in time.
-            MidflightError: The other end refused, with its own code.
+            WireError: The other end refused, with its own code.
         """
         if self.closed.is_set():
             raise CheckpointCoordinatorUnavailableError(f"the channel to {self.peer} is closed")
@@ -171,7 +171,7 @@ class Channel:
         try:
             body = await handler(str(message.get("kind")), message.get("body"))
             reply: dict[str, Any] = {"reply_to": request_id, "ok": True, "body": body}
-        except MidflightError as exc:
+        except WireError as exc:
             reply = {"reply_to": request_id, "ok": False, "error": _error_body(exc)}
         except Exception as exc:
             _log.exception("workers.handler_failed", kind=message.get("kind"), peer=self.peer)
@@ -182,7 +182,7 @@ class Channel:
             }
         try:
             await self._send(reply)
-        except MidflightError as exc:  # the reply itself cannot be framed
+        except WireError as exc:  # the reply itself cannot be framed
             await self._send({"reply_to": request_id, "ok": False, "error": _error_body(exc)})
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the other end is gone; its waiters fail on their side
@@ -192,7 +192,7 @@ class Channel:
         await self._stream.aclose()
 
 
-def _error_body(exc: MidflightError) -> dict[str, Any]:
+def _error_body(exc: WireError) -> dict[str, Any]:
     return {"status": exc.http_status, "code": exc.code, "detail": exc.detail}
 
 

@@ -240,7 +240,7 @@ class WorkerCoordinator(BaseParticipant):
         """Send ``kind`` to every worker (or ``to``) at once; pid → reply body.
 
         Raises:
-            MidflightError: The first refusal of any worker, with its code.
+            WireError: The first refusal of any worker, with its code.
         """
         targets = list(self.workers.values()) if to is None else list(to)
         replies: dict[int, Any] = {}

@@ -24,7 +24,7 @@ import anyio
 import structlog
 from prometheus_client import generate_latest
 
-from protocols import CheckpointRequest, EpisodeId, InvalidRequestError, MidflightError
+from protocols import CheckpointRequest, EpisodeId, InvalidRequestError, WireError
 
 from .._runtime.participant import Record
 from .._runtime.plane import ControlPlane
@@ -115,7 +115,7 @@ class WorkerMember:
                 with (
                     anyio.CancelScope(shield=True),
                     anyio.move_on_after(STOPPING_TIMEOUT_SECONDS),
-                    contextlib.suppress(MidflightError),
+                    contextlib.suppress(WireError),
                 ):
                     await channel.request(
                         "stopping", {"pid": self.pid}, within=STOPPING_TIMEOUT_SECONDS
@@ -180,7 +180,7 @@ class WorkerMember:
                         {**state, "seq": self._next_seq()},
                         within=MESSAGE_TIMEOUT_SECONDS,
                     )
-                except MidflightError:
+                except WireError:
                     return  # the channel is gone; _serve decides what happens next
             with anyio.move_on_after(REPORT_POLL_SECONDS):
                 await changes.wait_past(seen)

@@ -34,7 +34,6 @@ from protocols import (
     ForgetRequest,
     InternalError,
     InvalidRequestError,
-    MidflightError,
     PrepareReply,
     RenewReply,
     RestoreReply,
@@ -44,6 +43,7 @@ from protocols import (
     RetireRequest,
     StatusReply,
     UnauthorizedError,
+    WireError,
 )
 
 from .._runtime.collector import collector_paused
@@ -81,7 +81,7 @@ ROUTE_ERROR_CODES: Final[dict[str, tuple[str, ...]]] = {
 """Codes each control route may answer, besides 401, 422 and 500 (declared in OpenAPI)."""
 
 
-def error_response(error: MidflightError) -> JSONResponse:
+def error_response(error: WireError) -> JSONResponse:
     """The envelope reply for ``error``."""
     return JSONResponse(error.envelope(), status_code=error.http_status)
 
@@ -95,7 +95,7 @@ def describe_validation_error(exc: RequestValidationError) -> str:
     return "; ".join(parts) or "the request is invalid"
 
 
-def unreadable_body_error(exc: HTTPException) -> MidflightError | None:
+def unreadable_body_error(exc: HTTPException) -> WireError | None:
     """The typed error of a request the framework refused before our handler ran, if any.
 
     FastAPI raises ``HTTPException(400)`` when a body is not JSON (or not UTF-8): that is a body
@@ -171,7 +171,7 @@ async def envelope_errors(
         return await handler(request)
     except RequestValidationError as exc:
         return error_response(InvalidRequestError(describe_validation_error(exc)))
-    except MidflightError as exc:
+    except WireError as exc:
         return error_response(exc)
     except HTTPException as exc:
         refusal = unreadable_body_error(exc)
@@ -249,7 +249,7 @@ def install_error_envelope(app: FastAPI) -> None:
     """Make the app's own routes (the data plane) answer errors in the envelope too."""
 
     async def on_midflight_error(_request: Request, exc: Exception) -> Response:
-        assert isinstance(exc, MidflightError)
+        assert isinstance(exc, WireError)
         return error_response(exc)
 
     async def on_validation_error(_request: Request, exc: Exception) -> Response:
@@ -263,7 +263,7 @@ def install_error_envelope(app: FastAPI) -> None:
             return await http_exception_handler(request, exc)
         return error_response(refusal)
 
-    app.add_exception_handler(MidflightError, on_midflight_error)
+    app.add_exception_handler(WireError, on_midflight_error)
     app.add_exception_handler(RequestValidationError, on_validation_error)
     app.add_exception_handler(HTTPException, on_http_exception)
 

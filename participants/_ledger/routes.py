@@ -24,9 +24,9 @@ from protocols import (
     CheckpointOpenError,
     InvalidRequestError,
     LedgerBatchRequest,
-    MidflightError,
     RolloutRemoval,
     UnauthorizedError,
+    WireError,
     validate_ledger_key,
     validate_ledger_keys,
 )
@@ -95,7 +95,7 @@ def ledger_control_router(
                     raise CheckpointOpenError(CHECKPOINT_OPEN_DETAIL)
                 keys = validate_ledger_keys(ids)
                 result = await operation(keys)
-            except MidflightError as exc:
+            except WireError as exc:
                 return error_response(exc)
             return JSONResponse(result.model_dump(mode="json"))
 
@@ -130,7 +130,7 @@ def ledger_control_router(
             _check_token(request, capture_token)
             key = validate_ledger_key(rollout_id)
             result = await ledger.manifest(key)
-        except MidflightError as exc:
+        except WireError as exc:
             return error_response(exc)
         return JSONResponse(json.loads(result.model_dump_json()))
 

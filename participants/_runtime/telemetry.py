@@ -13,7 +13,7 @@ from typing import Any, Final, Literal, TypeVar
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from protocols import MidflightError, Phase
+from protocols import Phase, WireError
 
 T = TypeVar("T")
 
@@ -122,7 +122,7 @@ class ControlTelemetry:
         started = time.perf_counter()
         try:
             reply = await work()
-        except MidflightError as exc:
+        except WireError as exc:
             self.operation(
                 operation,
                 outcome="refused",

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from protocols import MidflightError
 
-class CaptureError(Exception):
+
+class CaptureError(MidflightError):
     """A caller broke the capture lifecycle or handed over a prefix that does not belong.
 
     These are caller bugs, never reasons to poison a call.

@@ -1,14 +1,19 @@
-"""The ledger client: whole-list validation, batching, typed errors, manifest identity."""
+"""The ledger client: whole-list validation, batching, typed errors, manifest identity, retries."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import socket
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
+import uvicorn
 from fastapi import FastAPI
+from tenacity import wait_none
+from tenacity.wait import wait_base
 
 from coordinator import LedgerClient
 from participants import MemoryCaptureLedger, ledger_control_router
@@ -173,3 +178,125 @@ async def test_a_timeout_names_the_request(tmp_path: Path) -> None:
             await client.retire(["a"])
     finally:
         await client.aclose()
+
+
+# ---------------------------------------------------------------- retries at the shared boundary
+
+
+def ledger_app(ledger: MemoryCaptureLedger, is_checkpoint_open: Callable[[], bool]) -> FastAPI:
+    app = FastAPI()
+    app.include_router(
+        ledger_control_router(ledger, capture_token=TOKEN, is_checkpoint_open=is_checkpoint_open)
+    )
+    return app
+
+
+class LoseFirstReply(Recorder):
+    """The app does the work, then the first reply is lost on the way back."""
+
+    lost = False
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        reply = await super().handle_async_request(request)
+        if not self.lost:
+            self.lost = True
+            await reply.aread()
+            raise httpx.ReadError("reply lost", request=request)
+        return reply
+
+
+async def test_a_ledger_call_whose_reply_was_lost_is_sent_again() -> None:
+    ledger = MemoryCaptureLedger()
+    await ledger.record(commit("a", 0))
+    transport = LoseFirstReply(ledger_app(ledger, lambda: False))
+    async with LedgerClient(
+        "http://policy", capture_token=TOKEN, transport=transport, wait=wait_none()
+    ) as client:
+        result = await client.retire(["a"])
+        with pytest.raises(RolloutRetiredError):  # the first attempt did the work
+            await client.manifest("a")
+    assert transport.bodies == [{"rollout_ids": ["a"]}] * 2
+    # The repeat finds nothing left to remove: retire is idempotent, its reply says what it did.
+    assert result == RolloutRemoval(removed=[], absent=["a"])
+
+
+async def test_a_ledger_call_refused_with_a_retryable_code_is_sent_again() -> None:
+    ledger = MemoryCaptureLedger()
+    await ledger.record(commit("a", 0))
+    answers = iter([True])  # a checkpoint is open for the first request only
+    recorder = Recorder(ledger_app(ledger, lambda: next(answers, False)))
+    async with LedgerClient(
+        "http://policy", capture_token=TOKEN, transport=recorder, wait=wait_none()
+    ) as client:
+        result = await client.delete(["a"])
+    assert recorder.bodies == [{"rollout_ids": ["a"]}] * 2
+    assert result == RolloutRemoval(removed=["a"])
+
+
+async def test_a_final_refusal_is_sent_once_and_a_retryable_one_stops_at_the_limit() -> None:
+    ledger = MemoryCaptureLedger()
+    recorder = Recorder(ledger_app(ledger, lambda: True))  # a checkpoint stays open
+    async with LedgerClient(
+        "http://policy", capture_token="nope", transport=recorder, wait=wait_none()
+    ) as client:
+        with pytest.raises(UnauthorizedError):
+            await client.retire(["a"])
+    assert len(recorder.bodies) == 1
+    async with LedgerClient(
+        "http://policy", capture_token=TOKEN, transport=recorder, wait=wait_none(), attempts=4
+    ) as client:
+        with pytest.raises(CheckpointOpenError, match="retry ledger retire and delete"):
+            await client.retire(["a"])
+    assert len(recorder.bodies) == 1 + 4
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class PauseAfterRefusal(wait_base):
+    """A short pause between attempts that tells the test an attempt has failed."""
+
+    def __init__(self) -> None:
+        self.failed = anyio.Event()
+        self.pauses = 0
+
+    def __call__(self, retry_state: object) -> float:
+        self.pauses += 1
+        self.failed.set()
+        return 0.05
+
+
+async def test_a_ledger_call_reaches_a_server_that_was_not_up_yet() -> None:
+    ledger = MemoryCaptureLedger()
+    await ledger.record(commit("a", 0))
+    port = _free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(
+            ledger_app(ledger, lambda: False),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            lifespan="off",
+        )
+    )
+    pause = PauseAfterRefusal()
+
+    async def serve_once_refused() -> None:
+        await pause.failed.wait()  # the first attempt found nothing listening
+        await server.serve()
+
+    client = LedgerClient(f"http://127.0.0.1:{port}", capture_token=TOKEN, attempts=200, wait=pause)
+    async with client, anyio.create_task_group() as group:
+        group.start_soon(serve_once_refused)
+        try:
+            with anyio.fail_after(20):
+                result = await client.retire(["a"])
+        finally:
+            server.should_exit = True
+            pause.failed.set()  # never left waiting, even when the call failed
+    assert result == RolloutRemoval(removed=["a"])
+    assert pause.pauses >= 1

@@ -19,13 +19,15 @@ def test_bench_overhead_reports_each_mode_against_the_disabled_floor(tmp_path: P
             "bench",
             "overhead",
             "--seconds",
-            "1.5",
+            # Long enough that a rollout finishes inside each window on a loaded 2-core machine
+            # (at 1.5 s a window once counted none while other suites ran).
+            "4",
             "--rounds",
             "1",
             "--concurrency",
             "4",
             "--period",
-            "0.5",
+            "1",
             "--json",
             "--dir",
             str(tmp_path),

@@ -5,6 +5,7 @@
 - the participant interface (:class:`Participant`, :class:`BaseParticipant`);
 - the authenticated HTTP router and a participant server app;
 - durable writing and verified reading of one participant's share of a checkpoint;
+- the capture protocol of one model call (:func:`resolve_admission`, :func:`record_custody`);
 - the inference worker's staging helpers and a file-backed token staging store.
 So far: durable writing and verified reading of one participant's share of a checkpoint, and
 the capture ledger (file-backed and in-memory) with its control routes.
@@ -52,6 +53,7 @@ from ._ledger.cache import (
     RowCache,
 )
 from ._ledger.common import CAPTURE_FILE_SUFFIXES
+from ._ledger.custody import record_custody, resolve_admission
 from ._ledger.file import RETIRE_STEPS, FileCaptureLedger
 from ._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger.memory import MemoryCaptureLedger
@@ -214,7 +216,9 @@ __all__ = [
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",
+    "record_custody",
     "remove_stale_socket_dirs",
+    "resolve_admission",
     "slot_of",
     "write_file_durably",
 ]

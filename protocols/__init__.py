@@ -4,6 +4,7 @@ Pure data and pure functions; nothing here performs I/O. Depends on pydantic onl
 """
 
 from ._call_record import CallRecord
+from ._capture import admission_from_resolution, commit_coords_problem, custody_commit
 from ._control import (
     CONTROL_PREFIX,
     CONTROL_ROUTES,
@@ -310,14 +311,17 @@ __all__ = [
     "TokenStagingStore",
     "ToolCallItem",
     "UnauthorizedError",
+    "admission_from_resolution",
     "as_request_items",
     "assistant_fingerprint",
     "build_manifest",
     "capture_key",
+    "commit_coords_problem",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",
     "conversation_digest",
+    "custody_commit",
     "custody_row",
     "decode",
     "decode_record_line",

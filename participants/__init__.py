@@ -6,7 +6,8 @@
 - the authenticated HTTP router and a participant server app;
 - durable writing and verified reading of one participant's share of a checkpoint;
 - the capture protocol of one model call (:func:`resolve_admission`, :func:`record_custody`);
-- the inference worker's staging helpers and a file-backed token staging store.
+- the inference worker's staging helpers, its generation-cut route
+  (:func:`generation_cut_router`) and a file-backed token staging store.
 So far: durable writing and verified reading of one participant's share of a checkpoint, and
 the capture ledger (file-backed and in-memory) with its control routes.
 """
@@ -103,6 +104,7 @@ from ._staging.calls import (
     StreamingUnsupportedError,
     rebuild_generation_cut,
 )
+from ._staging.cut_router import generation_cut_router
 from ._staging.store import FileTokenStagingStore, put_entries
 from ._storage.checkpoint_store import (
     WRITE_STEPS,
@@ -206,6 +208,7 @@ __all__ = [
     "error_responses",
     "fsync_directory",
     "generation_cut_restart_reason",
+    "generation_cut_router",
     "install_error_envelope",
     "ledger_control_router",
     "listen_private",

@@ -34,6 +34,7 @@ from ._control import (
     dump_wire,
 )
 from ._cuts import (
+    GENERATION_CUT_PATH,
     GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
@@ -205,6 +206,7 @@ __all__ = [
     "EXTRAS_DIGEST_VERSION",
     "FINGERPRINT_VERSION",
     "GENERATION_CUT_KEY_PREFIX",
+    "GENERATION_CUT_PATH",
     "GENERATION_PROMPT",
     "LEDGER_CONTROL_PREFIX",
     "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",

@@ -56,7 +56,7 @@ PUBLIC = {
         "sorted_capture_keys", "staging_key", "task_digest", "validate_checkpoint_id",
         "validate_ledger_key", "validate_ledger_keys", "validate_rollout_id",
         "validate_rollout_ids", "validate_row", "validate_safe_name",
-        "admission_from_resolution", "commit_coords_problem",
+        "GENERATION_CUT_PATH", "admission_from_resolution", "commit_coords_problem",
         "custody_commit",
     ],
     "participants": [
@@ -86,7 +86,7 @@ PUBLIC = {
         "listen_private", "make_directory_durable", "participant_app",
         "private_socket_path", "put_entries", "read_kill_announcements", "read_participant_checkpoint",
         "rebuild_generation_cut", "remove_stale_socket_dirs", "slot_of", "write_file_durably",
-        "record_custody", "resolve_admission",
+        "generation_cut_router", "record_custody", "resolve_admission",
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "DEFAULT_CONTROL_ATTEMPTS",

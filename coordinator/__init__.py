@@ -14,42 +14,33 @@
 """
 
 from ._checkpoint import CheckpointOutcome, checkpoint
-from ._client import STATUS_TIMEOUT_SECONDS, ControlClient, NotAParticipantError
-from ._discovery import DISCOVERY_ATTEMPTS, discover
+from ._client import ControlClient, NotAParticipantError
+from ._discovery import discover
 from ._fixed_order import CoordinationError, Coordinator, Member, PrepareResult
 from ._ledger_client import LedgerClient
 from ._publish import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
     LATEST_FILE,
-    PUBLISH_FAULTS,
     CheckpointManifest,
     PublishedParticipant,
     checkpoint_directory,
     publish_checkpoint,
-    publish_checkpoint_sync,
     read_checkpoint,
     read_latest,
 )
 from ._retention import (
-    PINNED_FILE,
     GcReport,
     collect_garbage,
     pin_checkpoint,
     unpin_checkpoint,
     verify_checkpoint,
 )
-from ._retry import DEFAULT_CONTROL_ATTEMPTS, is_retryable
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_FILE",
-    "DEFAULT_CONTROL_ATTEMPTS",
-    "DISCOVERY_ATTEMPTS",
     "LATEST_FILE",
-    "PINNED_FILE",
-    "PUBLISH_FAULTS",
-    "STATUS_TIMEOUT_SECONDS",
     "CheckpointManifest",
     "CheckpointOutcome",
     "ControlClient",
@@ -65,10 +56,8 @@ __all__ = [
     "checkpoint_directory",
     "collect_garbage",
     "discover",
-    "is_retryable",
     "pin_checkpoint",
     "publish_checkpoint",
-    "publish_checkpoint_sync",
     "read_checkpoint",
     "read_latest",
     "unpin_checkpoint",

@@ -5,7 +5,9 @@
 - the participant interface (:class:`Participant`, :class:`BaseParticipant`);
 - the authenticated HTTP router and a participant server app;
 - durable writing and verified reading of one participant's share of a checkpoint;
-- the inference worker's staging helpers and a file-backed token staging store.
+- the capture protocol of one model call (:func:`resolve_admission`, :func:`record_custody`);
+- the inference worker's staging helpers, its generation-cut route
+  (:func:`generation_cut_router`) and a file-backed token staging store.
 So far: durable writing and verified reading of one participant's share of a checkpoint, and
 the capture ledger (file-backed and in-memory) with its control routes.
 """
@@ -52,6 +54,7 @@ from ._ledger.cache import (
     RowCache,
 )
 from ._ledger.common import CAPTURE_FILE_SUFFIXES
+from ._ledger.custody import record_custody, resolve_admission
 from ._ledger.file import FileCaptureLedger
 from ._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger.memory import MemoryCaptureLedger
@@ -95,6 +98,7 @@ from ._runtime.telemetry import (
     GenerationCutTelemetry,
 )
 from ._staging.calls import RolloutTokenCapture
+from ._staging.cut_router import generation_cut_router
 from ._staging.errors import CaptureError, StreamingUnsupportedError
 from ._staging.prefix import rebuild_generation_cut
 from ._staging.records import ActiveCall, CaptureAdapter
@@ -201,6 +205,7 @@ __all__ = [
     "error_responses",
     "fsync_directory",
     "generation_cut_restart_reason",
+    "generation_cut_router",
     "install_error_envelope",
     "ledger_control_router",
     "listen_private",
@@ -211,7 +216,9 @@ __all__ = [
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",
+    "record_custody",
     "remove_stale_socket_dirs",
+    "resolve_admission",
     "slot_of",
     "write_file_durably",
 ]

@@ -4,6 +4,7 @@ Pure data and pure functions; nothing here performs I/O. Depends on pydantic onl
 """
 
 from ._call_record import CallRecord
+from ._capture import admission_from_resolution, commit_coords_problem, custody_commit
 from ._control import (
     CONTROL_PREFIX,
     CONTROL_ROUTES,
@@ -33,6 +34,7 @@ from ._control import (
     dump_wire,
 )
 from ._cuts import (
+    GENERATION_CUT_PATH,
     GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
@@ -205,6 +207,7 @@ __all__ = [
     "EXTRAS_DIGEST_VERSION",
     "FINGERPRINT_VERSION",
     "GENERATION_CUT_KEY_PREFIX",
+    "GENERATION_CUT_PATH",
     "GENERATION_PROMPT",
     "LEDGER_CONTROL_PREFIX",
     "LEDGER_ROW_MISSING_CHAIN_HASH_REASON",
@@ -312,14 +315,17 @@ __all__ = [
     "ToolCallItem",
     "UnauthorizedError",
     "WireError",
+    "admission_from_resolution",
     "as_request_items",
     "assistant_fingerprint",
     "build_manifest",
     "capture_key",
+    "commit_coords_problem",
     "compute_chain_hash",
     "compute_extras_digest",
     "compute_staging_digest",
     "conversation_digest",
+    "custody_commit",
     "custody_row",
     "decode",
     "decode_record_line",

@@ -4,7 +4,8 @@ At a checkpoint the policy-model server asks each inference worker to make the t
 far by its undelivered calls durable, without stopping them. The worker answers one ack per call:
 ``durable_prefix`` (the prefix is staged; a replacement call may continue it) or
 ``durable_failure`` (it is not; the call regenerates). Returning the receipt is the worker's
-durability boundary. A continued call carries a :class:`GenerationCutContinuation`.
+durability boundary. A continued call carries a :class:`GenerationCutContinuation`. The worker
+serves the inventory at :data:`GENERATION_CUT_PATH`, under its control token.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterable, Sequence
-from typing import Any, Literal, Self
+from typing import Any, Final, Literal, Self
 
 from pydantic import Field, model_validator
 
@@ -25,6 +26,9 @@ from ._strict import (
     StagingWireModel,
     StrictWireModel,
 )
+
+GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
+"""Where a worker takes a cut inventory (``POST``, bearer control token), below its control root."""
 
 CutDisposition = Literal["durable_prefix", "durable_failure"]
 CutKind = Literal["active_prefix", "terminal_completion"]

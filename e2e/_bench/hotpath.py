@@ -5,7 +5,8 @@ request's conversation digest), **resolve** (the ledger's lineage matcher and th
 admission), **record** (the custody row built from the worker's coordinates and appended through
 the group commit) and **egress** (the gate's delivery and the ticket's release). Between resolve
 and record the worker's request is encoded and its reply decoded (**worker_codec**); the network
-itself is left out. The steps run the server's own code (``e2e._servers.model``) against a
+itself is left out. The steps run the server's own code (``e2e._servers.policy_server`` and the
+capture protocol it calls, ``participants.resolve_admission`` / ``record_custody``) against a
 ``FileCaptureLedger`` in a scratch directory, one call at a time, each rollout's calls in order
 with a conversation that grows by an assistant and a tool item per call.
 
@@ -32,10 +33,9 @@ from typing import Any, Final
 
 import anyio
 
-from participants import FileCaptureLedger, ModelParticipant
+from participants import FileCaptureLedger, ModelParticipant, record_custody, resolve_admission
 from protocols import CompletionReply, EpisodeId, as_request_items, conversation_digest
 
-from .._servers.model import _admission, custody_commit
 from .ledger import _ThreadHop
 
 STEPS: Final = ("admit", "resolve", "worker_codec", "record", "egress")
@@ -140,9 +140,8 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
         items = as_request_items(messages)  # as PolicyServer.serve does
         ticket.request_digest = conversation_digest(items)
         t1 = clock()
-        resolution = await ledger.resolve(key, items)
-        admission = _admission(key, ticket.model_call_id, resolution)
-        assert admission is not None, resolution
+        admission = await resolve_admission(ledger, key, ticket.model_call_id, items)
+        assert admission is not None, f"the parent of {ticket.model_call_id} did not resolve"
         t2 = clock()
         admission.model_dump(mode="json")
         pause = clock()
@@ -150,19 +149,17 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
         t2 += clock() - pause
         reply = CompletionReply.model_validate_json(body)
         t3 = clock()
-        assert reply.ng_commit_coords is not None
         content = f"completion {turn} of {key}"
-        commit = custody_commit(
-            key,
-            ticket,
-            items,
-            content,
+        commit = await record_custody(
+            ledger,
             admission,
-            resolution,
             reply.ng_commit_coords,
-            f"resp_{ticket.model_call_id}",
+            request_items=items,
+            response_items=[{"role": "assistant", "content": content}],
+            response_id=f"resp_{ticket.model_call_id}",
+            admitted_at=ticket.admitted_at,
         )
-        await ledger.record(commit)
+        assert commit is not None, "the worker's coordinates did not become a custody row"
         t4 = clock()
         await participant.gate.deliver(ticket)
         participant.release(ticket)

@@ -12,7 +12,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.table import Table
 
-from coordinator import PUBLISH_FAULTS
+from coordinator.testing import PUBLISH_FAULTS
 from participants import RESOURCES_MODES, VERIFY_MODES
 
 from .._drill.matrix import cells_json, parse_cells, run_matrix

@@ -18,7 +18,6 @@ import anyio
 import httpx
 
 from coordinator import (
-    PUBLISH_FAULTS,
     Coordinator,
     PrepareResult,
     checkpoint_directory,
@@ -26,6 +25,7 @@ from coordinator import (
     publish_checkpoint,
     read_latest,
 )
+from coordinator.testing import PUBLISH_FAULTS
 from participants import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 

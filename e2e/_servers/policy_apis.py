@@ -1,7 +1,7 @@
 """The three model APIs of the policy server, as thin adapters over one handler.
 
 Chat completions, the Responses API and the Messages API all reach
-:meth:`e2e._servers.model.PolicyServer.serve`. Each adapter turns its request into a
+:meth:`e2e._servers.policy_server.PolicyServer.serve`. Each adapter turns its request into a
 :class:`ModelCall` — the conversation as chat messages (the form the ledger's lineage matcher and
 the prompt renderer know), the output limit, and the request fields that say whether decoding is
 constrained, in chat-completions form — and renders the handler's :class:`ModelReply` in its own

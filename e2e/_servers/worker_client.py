@@ -15,6 +15,7 @@ import httpx
 import structlog
 
 from protocols import (
+    GENERATION_CUT_PATH,
     AbortCallsRequest,
     CaptureAdmission,
     CheckpointCoordinatorUnavailableError,
@@ -27,7 +28,6 @@ from protocols import (
 
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
-GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
 ABORT_PATH: Final = "/ng-control/v1/abort"
 ABORT_TIMEOUT_SECONDS: Final = 30.0
 """An abort waits for a call's final staging at most; a worker that does not answer is down."""

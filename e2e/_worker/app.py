@@ -1,10 +1,10 @@
 """The deterministic inference worker as an HTTP server (e2e-contract §2, §4).
 
-Routes: ``POST /v1/completions``, ``POST /ng-control/v1/generation-cut`` (bearer token; installed
-only when a control token is configured), ``GET /healthz``, ``GET /metrics`` and FastAPI's
-``/openapi.json``. Errors
-use the project's envelope ``{"error": {"code", "detail"}}``; the bearer token is checked before the
-body is read.
+Routes: ``POST /v1/completions``, ``POST /ng-control/v1/generation-cut`` (the participants'
+:func:`~participants.generation_cut_router`) and ``POST /ng-control/v1/abort`` (bearer token;
+installed only when a control token is configured), ``GET /healthz``, ``GET /metrics`` and
+FastAPI's ``/openapi.json``. Errors use the project's envelope ``{"error": {"code", "detail"}}``;
+the bearer token of every ``/ng-control/`` path is checked before the body is read.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from participants import (
     authorized,
     error_response,
     error_responses,
+    generation_cut_router,
     install_error_envelope,
 )
 from protocols import (
@@ -51,7 +52,6 @@ from .._servers.evidence import EvidenceLog, read_evidence
 from .engine import WorkerEngine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
-GENERATION_CUT_ROUTE: Final = "/ng-control/v1/generation-cut"
 ABORT_ROUTE: Final = "/ng-control/v1/abort"
 DEFAULT_WORKER_PORT: Final = 8701
 
@@ -171,21 +171,19 @@ def create_worker_app(
 
     if settings.control_token:
 
-        @app.post(
-            GENERATION_CUT_ROUTE,
-            response_model=GenerationCutReceipt,
-            responses=error_responses(()),
-        )
-        async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
-            receipt = await engine.cut(body)
-            metrics.cut(len(body.active_prefixes))
+        async def cut_and_count(inventory: GenerationCutInventory) -> GenerationCutReceipt:
+            receipt = await engine.cut(inventory)
+            metrics.cut(len(inventory.active_prefixes))
             return receipt
+
+        app.include_router(generation_cut_router(cut_and_count, token=settings.control_token))
 
         @app.post(ABORT_ROUTE, response_model=AbortCallsReply, responses=error_responses(()))
         async def abort(body: AbortCallsRequest) -> AbortCallsReply:
             """Stop these calls; answers once they have left (nothing more of them is staged)."""
             return AbortCallsReply(aborted=await engine.abort(body.model_call_ids))
 
+        # The cut route checks the token itself; the guard covers every other control path.
         app.add_middleware(_BearerGuard, token=settings.control_token)
     return app
 

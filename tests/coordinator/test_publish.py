@@ -14,10 +14,10 @@ from coordinator import (
     LATEST_FILE,
     checkpoint_directory,
     publish_checkpoint,
-    publish_checkpoint_sync,
     read_checkpoint,
     read_latest,
 )
+from coordinator._publish import publish_checkpoint_sync
 from protocols import EpisodeId, InvalidCheckpointStateError
 
 from .deployment import deployment

@@ -10,13 +10,13 @@ import pytest
 from coordinator import (
     CHECKPOINT_FILE,
     LATEST_FILE,
-    PINNED_FILE,
     checkpoint_directory,
     collect_garbage,
     pin_checkpoint,
     unpin_checkpoint,
     verify_checkpoint,
 )
+from coordinator._retention import PINNED_FILE
 
 from .test_publish import _commit_and_publish
 

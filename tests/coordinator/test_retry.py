@@ -8,7 +8,8 @@ import httpx
 import pytest
 from tenacity import wait_none
 
-from coordinator import ControlClient, LedgerClient, is_retryable
+from coordinator import ControlClient, LedgerClient
+from coordinator._retry import is_retryable
 from protocols import CheckpointOpenError, DeadlineExceededError, StaleCheckpointError
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from coordinator import LATEST_FILE, PINNED_FILE, checkpoint_directory
+from coordinator import LATEST_FILE, checkpoint_directory
+from coordinator._retention import PINNED_FILE
 from e2e._cli.app import build_app
 from tests.coordinator.test_publish import _commit_and_publish
 

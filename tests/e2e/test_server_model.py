@@ -16,7 +16,8 @@ from fastapi import FastAPI
 
 from e2e._servers.cluster import default_cluster
 from e2e._servers.context import ServeContext
-from e2e._servers.model import create_model_app, read_policy_evidence, request_digest
+from e2e._servers.model import create_model_app, read_policy_evidence
+from e2e._servers.policy_server import request_digest
 from e2e._worker.app import WorkerSettings, create_worker_app
 from participants import FileTokenStagingStore, ModelParticipant
 from protocols import encode, render_prompt

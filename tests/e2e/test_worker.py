@@ -413,6 +413,15 @@ async def test_metrics_count_completions_and_the_version_is_every_server_s(tmp_p
     assert document["info"]["version"] == participant.openapi()["info"]["version"]
 
 
+async def test_metrics_count_the_cut_inventories_answered_and_their_calls(tmp_path: Path) -> None:
+    async with worker(tmp_path, token_delay_ms=0) as (client, _):
+        await _cut(client, ("c1", "r1", 0), ("c2", "r2", 1))
+        await _cut(client)
+        text = (await client.get("/metrics")).text
+    assert "midflight_worker_cut_requests_total 2.0" in text
+    assert "midflight_worker_cut_calls_total 2.0" in text
+
+
 async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Path) -> None:
     from participants import DEFAULT_MAX_BODY_BYTES
 

@@ -1,29 +1,21 @@
-"""The reference deployment's tokenizer, chat rendering and generation function.
+"""The reference deployment's tokenizer and chat rendering.
 
 A token is a byte (ids 0-255) and text is Latin-1, so encoding and decoding round-trip exactly.
 Every message renders as ``\\x02 role \\x03 content \\x04`` and a prompt ends with the generation
 prompt ``\\x02assistant\\x03``; since an assistant message's content is exactly the decoded
 completion, the prompt of call k+1 starts with the prompt of call k plus its completion.
 
-Output token *i* of a call is a pure function of (seed, prompt, *i*), drawn from
-:data:`OUTPUT_ALPHABET`. That is what lets the drill prove exactly-once token for token: a
-generation cut at *k* tokens and continued from position *k* yields exactly the uninterrupted
-tokens.
+The deterministic generation function of the reference worker lives with it
+(``e2e._worker.generation``).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Final
-
-OUTPUT_ALPHABET: Final = tuple(b"abcdefghijklmnopqrstuvwxyz0123456789 ")
-"""The only token ids the worker generates: lowercase letters, digits and space."""
 
 CHAT_ROLES: Final = ("system", "user", "assistant", "tool")
 GENERATION_PROMPT: Final = "\x02assistant\x03"
-_SEED_LIMIT: Final = 2**64
-_POSITION_LIMIT: Final = 2**32
 
 
 def encode(text: str) -> list[int]:
@@ -61,27 +53,3 @@ def render_prompt(messages: Iterable[Mapping[str, str]]) -> str:
     """The prompt of a call: every message so far, then the generation prompt."""
     rendered = "".join(render_message(m["role"], m["content"]) for m in messages)
     return rendered + GENERATION_PROMPT
-
-
-def generate_token(seed: int, prompt_ids: Sequence[int], position: int) -> int:
-    """Output token ``position`` of a call with this prompt and seed.
-
-    ``OUTPUT_ALPHABET[int.from_bytes(sha256(seed ‖ prompt ‖ position)[:8]) % 37]`` with the seed as
-    8 bytes and the position as 4 bytes, both big-endian.
-
-    Raises:
-        ValueError: The seed or position is out of range, or a prompt id is not a byte.
-    """
-    if not 0 <= seed < _SEED_LIMIT:
-        raise ValueError(f"seed must fit in 8 unsigned bytes, got {seed}")
-    if not 0 <= position < _POSITION_LIMIT:
-        raise ValueError(f"position must fit in 4 unsigned bytes, got {position}")
-    material = seed.to_bytes(8, "big") + bytes(prompt_ids) + position.to_bytes(4, "big")
-    draw = int.from_bytes(hashlib.sha256(material).digest()[:8], "big")
-    return OUTPUT_ALPHABET[draw % len(OUTPUT_ALPHABET)]
-
-
-def generate_tokens(seed: int, prompt_ids: Sequence[int], start: int, stop: int) -> list[int]:
-    """Output tokens ``start`` up to ``stop`` (exclusive): what an uninterrupted call returns."""
-    prompt = bytes(prompt_ids)  # checks every id is a byte, once
-    return [generate_token(seed, prompt, position) for position in range(start, stop)]

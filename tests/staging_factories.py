@@ -4,13 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from protocols import (
-    CaptureAdmission,
-    GenerationCutContinuation,
-    StagedCallRecord,
-    compute_chain_hash,
-    hash_token_ids,
-)
+from protocols import CaptureAdmission, StagedCallRecord, compute_chain_hash, hash_token_ids
+from protocols._cuts import GenerationCutContinuation
 
 GOLDEN_EXTRAS: dict[str, Any] = {"routed_experts": [[[1, 2]], [[3, 4]]]}
 

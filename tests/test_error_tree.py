@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 import protocols._errors
-from protocols import ERROR_CLASSES, MidflightError, WireError
+from protocols import MidflightError, WireError
+from protocols._errors import ERROR_CLASSES
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("protocols", "participants", "coordinator", "e2e")

@@ -42,11 +42,11 @@ from protocols import (
     StaleAttemptError,
     TokenStagingStore,
     compute_chain_hash,
-    generate_token,
 )
 
 from .._servers.evidence import EvidenceLog
 from .cuts import FINISH_REASON, Finished, LiveCall, cut_batch, terminal_ack
+from .generation import generate_token
 
 _log = logging.getLogger(__name__)
 

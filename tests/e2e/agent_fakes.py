@@ -11,7 +11,8 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 
-from protocols import decode, encode, generate_tokens, render_prompt
+from e2e._worker.generation import generate_tokens
+from protocols import decode, encode, render_prompt
 
 TOKEN = "agent-test-token"
 ROLLOUT = "r1"

@@ -16,7 +16,6 @@ import pytest
 from e2e._worker.app import WorkerSettings, create_worker_app, read_worker_evidence
 from participants import FileTokenStagingStore
 from protocols import (
-    GENERATION_CUT_KEY_PREFIX,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutReceipt,
@@ -26,6 +25,7 @@ from protocols import (
     hash_token_ids,
     render_prompt,
 )
+from protocols._staging import GENERATION_CUT_KEY_PREFIX
 
 pytestmark = pytest.mark.anyio
 TOKEN = "secret-token"

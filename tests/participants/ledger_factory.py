@@ -5,7 +5,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from protocols import FINGERPRINT_VERSION, CallRecord, CaptureLedgerCommit
+from protocols import CallRecord, CaptureLedgerCommit
+from protocols._lineage import FINGERPRINT_VERSION
 
 
 def hex64(*parts: object) -> str:

@@ -17,7 +17,8 @@ from participants import (
     LedgerCacheCollector,
     RowCache,
 )
-from protocols import MAX_LEDGER_KEY_LENGTH, RolloutRemoval, RolloutRetiredError
+from protocols import RolloutRemoval, RolloutRetiredError
+from protocols._ledger import MAX_LEDGER_KEY_LENGTH
 
 from .ledger_factory import commit
 

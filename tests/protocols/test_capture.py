@@ -9,17 +9,16 @@ from typing import Any
 import pytest
 
 from protocols import (
-    FINGERPRINT_VERSION,
-    POISON_REASONS,
     CaptureAdmission,
     CommitCoords,
-    LineageMatch,
     LineageResolution,
     RequestItem,
     admission_from_resolution,
     commit_coords_problem,
     custody_commit,
 )
+from protocols._ledger import POISON_REASONS
+from protocols._lineage import FINGERPRINT_VERSION, LineageMatch
 
 
 def _hex(*parts: object) -> str:

@@ -10,7 +10,6 @@ import pytest
 from pydantic import BaseModel, ValidationError
 
 from protocols import (
-    CONTROL_ROUTES,
     CheckpointRequest,
     CommitReply,
     CommitRequest,
@@ -28,6 +27,7 @@ from protocols import (
     StatusReply,
     dump_wire,
 )
+from protocols._control import CONTROL_ROUTES
 
 GOLDEN = Path(__file__).parent.parent / "golden" / "control"
 

@@ -10,7 +10,6 @@ import pytest
 from pydantic import ValidationError
 
 from protocols import (
-    GenerationCutContinuation,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -18,6 +17,7 @@ from protocols import (
     GenerationCutRecord,
     inventory_digest,
 )
+from protocols._cuts import GenerationCutContinuation
 
 DIGEST = "ef" * 32
 

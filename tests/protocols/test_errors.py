@@ -6,13 +6,13 @@ import pytest
 
 import protocols
 from protocols import (
-    ERROR_CLASSES,
     ERROR_TABLE,
     ERRORS_BY_CODE,
     InternalError,
     MidflightError,
     error_from_envelope,
 )
+from protocols._errors import ERROR_CLASSES
 
 # (code, HTTP status, retryable), copied from the contract, not from the code under test.
 CONTRACT = [

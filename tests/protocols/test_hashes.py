@@ -8,13 +8,12 @@ import struct
 
 import pytest
 
-from protocols import (
+from protocols import compute_chain_hash, hash_token_ids
+from protocols._hashes import (
     EMPTY_EXTRAS_DIGEST,
-    compute_chain_hash,
     compute_extras_digest,
     compute_staging_digest,
     encode_token_ids,
-    hash_token_ids,
 )
 from tests.staging_factories import GOLDEN_EXTRAS, golden_record
 

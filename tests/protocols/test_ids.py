@@ -8,18 +8,16 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from protocols import (
-    MAX_ATTEMPT,
-    MAX_LEDGER_KEY_LENGTH,
-    MAX_ROLLOUT_ID_LENGTH,
     EpisodeId,
     InvalidRolloutIdError,
     capture_key,
     sorted_capture_keys,
     validate_checkpoint_id,
     validate_ledger_key,
-    validate_rollout_id,
     validate_rollout_ids,
 )
+from protocols._ids import MAX_ATTEMPT, MAX_ROLLOUT_ID_LENGTH, validate_rollout_id
+from protocols._ledger import MAX_LEDGER_KEY_LENGTH
 
 VALID = ["a", "Z9", "rollout-1", "r.x_y-z", "x-a0", "x-a01", "x-ab1", "a-a", "7"]
 INVALID = ["", "-a", ".a", "_a", "a b", "a/b", "é", "a-a1", "run-a12", "x\n", "a:b", "a-a9"]

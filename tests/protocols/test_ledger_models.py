@@ -5,8 +5,6 @@ from __future__ import annotations
 import pytest
 
 from protocols import (
-    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
-    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
     InvalidRolloutIdError,
     LedgerBatchRequest,
     RolloutManifest,
@@ -16,6 +14,10 @@ from protocols import (
     validate_ledger_key,
     validate_ledger_keys,
     validate_row,
+)
+from protocols._ledger import (
+    LEDGER_ROW_MISSING_CHAIN_HASH_REASON,
+    LEDGER_ROW_MISSING_RESPONSE_ID_REASON,
 )
 from tests.participants.ledger_factory import commit
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 from protocols import (
-    FINGERPRINT_VERSION,
-    assistant_fingerprint,
     conversation_digest,
     custody_row,
     encode_row,
@@ -14,6 +12,7 @@ from protocols import (
     resolve_explicit_rows,
     resolve_rows,
 )
+from protocols._lineage import FINGERPRINT_VERSION, assistant_fingerprint
 from tests.participants.ledger_factory import commit, conversation
 
 

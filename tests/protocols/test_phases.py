@@ -8,7 +8,6 @@ import pytest
 
 from protocols import (
     ALLOWED_PHASES,
-    OPEN_PHASES,
     PHASE_TRANSITIONS,
     PREPARE_ORDER,
     RESUME_ORDER,
@@ -18,6 +17,7 @@ from protocols import (
     PhaseEvent,
     next_phase,
 )
+from protocols._phases import OPEN_PHASES
 
 ID, PG, PD, C, R = (Phase.IDLE, Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED, Phase.RESTORED)
 E = PhaseEvent

@@ -15,10 +15,10 @@ from protocols import (
     encode_record_line,
     is_records_file_name,
     participant_directory,
-    records_file_name,
     serialize_manifest,
     task_digest,
 )
+from protocols._records import records_file_name
 
 DIGEST = "ef2d127de37b942baad06145e54b0c619a1f22327b2ebbcfbec78f5564afe39d"
 

@@ -8,16 +8,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from protocols import (
-    GENERATION_PROMPT,
-    OUTPUT_ALPHABET,
-    decode,
-    encode,
-    generate_token,
-    generate_tokens,
-    render_message,
-    render_prompt,
-)
+from e2e._worker.generation import OUTPUT_ALPHABET, generate_token, generate_tokens
+from protocols import decode, encode, render_prompt
+from protocols._tokens import GENERATION_PROMPT, render_message
 
 latin1 = st.text(alphabet=st.characters(max_codepoint=255))
 

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from e2e._worker.app import WorkerSettings, create_worker_app, read_worker_evidence
+from e2e._worker.generation import generate_tokens
 from participants import FileTokenStagingStore
 from protocols import (
     GenerationCutInventory,
@@ -21,7 +22,6 @@ from protocols import (
     GenerationCutReceipt,
     StagedEntry,
     encode,
-    generate_tokens,
     hash_token_ids,
     render_prompt,
 )

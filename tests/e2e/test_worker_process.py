@@ -11,12 +11,12 @@ import httpx
 import pytest
 
 from e2e._worker.app import read_worker_evidence
+from e2e._worker.generation import generate_tokens
 from protocols import (
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutReceipt,
     encode,
-    generate_tokens,
     render_prompt,
 )
 from tests.e2e.processes import kill_group, serve

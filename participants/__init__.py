@@ -23,18 +23,18 @@ from ._environment.models import (
 from ._environment.participant import EnvironmentParticipant
 from ._environment.steps import EpisodeSteps, TrackedEpisode
 from ._fanout.channel import (
+    FANOUT_SOCKET_ENV,
     FRAME_MAX_BYTES,
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
-    SOCKET_ENV,
     SOCKET_OWNER_FILE,
     Channel,
     listen_private,
     private_socket_path,
     remove_stale_socket_dirs,
 )
-from ._fanout.group import Placement, WorkerCoordinator, WorkerState, slot_of
-from ._fanout.member import REPORT_POLL_SECONDS, WorkerMember
+from ._fanout.group import Placement, ProcessFanout, ShardState, slot_of
+from ._fanout.shard import REPORT_POLL_SECONDS, FanoutShard
 from ._http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._http.router import (
     authorized,
@@ -57,7 +57,7 @@ from ._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from ._ledger.memory import MemoryCaptureLedger
 from ._ledger.routes import ledger_control_router
 from ._model.cuts import CutRequester, generation_cut_restart_reason
-from ._model.fanout import ModelCoordinator
+from ._model.fanout import ModelProcessFanout
 from ._model.gate import ModelTicket
 from ._model.participant import MODEL_FAULTS, CallAborter, ModelParticipant
 from ._resources.models import (
@@ -118,6 +118,7 @@ __all__ = [
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
+    "FANOUT_SOCKET_ENV",
     "FRAME_MAX_BYTES",
     "GENERATION_CUT_OUTCOMES",
     "KILL_BOUNDARIES",
@@ -130,7 +131,6 @@ __all__ = [
     "REPORT_POLL_SECONDS",
     "RESOURCES_MODES",
     "RETIRE_STEPS",
-    "SOCKET_ENV",
     "SOCKET_OWNER_FILE",
     "TEST_HOOKS_ENV",
     "VERIFY_MODES",
@@ -160,6 +160,7 @@ __all__ = [
     "EnvironmentRecord",
     "EpisodeOutcome",
     "EpisodeSteps",
+    "FanoutShard",
     "FileCaptureLedger",
     "FileTokenStagingStore",
     "GenerationCutTelemetry",
@@ -168,12 +169,13 @@ __all__ = [
     "LedgerCacheCollector",
     "ManualClock",
     "MemoryCaptureLedger",
-    "ModelCoordinator",
     "ModelParticipant",
+    "ModelProcessFanout",
     "ModelTicket",
     "Participant",
     "ParticipantCheckpoint",
     "Placement",
+    "ProcessFanout",
     "Record",
     "RecordsWriter",
     "ResourcesAdmission",
@@ -188,13 +190,11 @@ __all__ = [
     "RolloutTokenCapture",
     "RowCache",
     "SeededSession",
+    "ShardState",
     "StreamingUnsupportedError",
     "SystemClock",
     "TrackedEpisode",
     "VerifyMode",
-    "WorkerCoordinator",
-    "WorkerMember",
-    "WorkerState",
     "authorized",
     "build_report",
     "choose_tool",

@@ -2,12 +2,12 @@
 
 The main process binds the public port and one private port per worker slot on 127.0.0.1, prints
 the ``listening on`` line, and runs the per-server coordinator (the control plane over a
-:class:`participants.WorkerCoordinator`). It starts each worker as ``python -m e2e <same
+:class:`participants.ProcessFanout`). It starts each worker as ``python -m e2e <same
 command>`` with the sockets inherited, in its own process group (a SIGKILL of the group leaves no
 worker holding the port), and starts a worker again, in the same slot, when one exits.
 
 A worker serves the role's app on the shared socket and its private one, behind
-:class:`WorkerRouting`: control calls are relayed to the coordinator, a data-plane request of a
+:class:`ShardRouting`: control calls are relayed to the coordinator, a data-plane request of a
 rollout another slot owns is proxied to that worker's private port, ``/close_session`` is
 broadcast, and ``/metrics`` is aggregated across workers.
 """
@@ -30,47 +30,47 @@ import uvicorn
 from fastapi import FastAPI
 
 from participants import (
-    SOCKET_ENV,
+    FANOUT_SOCKET_ENV,
     SOCKET_OWNER_FILE,
     BodyLimit,
     ControlPlane,
-    ModelCoordinator,
+    FanoutShard,
+    ModelProcessFanout,
     Placement,
-    WorkerCoordinator,
-    WorkerMember,
+    ProcessFanout,
     listen_private,
     private_socket_path,
 )
 
 from .._servers.context import HOST, ServeContext, control_settings
 from .lifeline import Lifeline
-from .routing import WorkerRouting
+from .routing import ShardRouting
 from .sockets import bind_listening_socket
 
-SLOT_ENV: Final = "MIDFLIGHT_WORKER_SLOT"
-SHARED_FD_ENV: Final = "MIDFLIGHT_WORKER_SHARED_FD"
-PRIVATE_FD_ENV: Final = "MIDFLIGHT_WORKER_PRIVATE_FD"
-PEERS_ENV: Final = "MIDFLIGHT_WORKER_PEERS"
+SLOT_ENV: Final = "MIDFLIGHT_FANOUT_SLOT"
+SHARED_FD_ENV: Final = "MIDFLIGHT_FANOUT_SHARED_FD"
+PRIVATE_FD_ENV: Final = "MIDFLIGHT_FANOUT_PRIVATE_FD"
+PEERS_ENV: Final = "MIDFLIGHT_FANOUT_PEERS"
 """Comma-separated private ports, one per slot in slot order."""
 RESTART_DELAY_SECONDS: Final = 0.5
 """A worker that exits is started again after this pause (a crash loop stays slow)."""
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 
 
-def is_worker_process() -> bool:
+def is_shard_process() -> bool:
     """Whether this process was started by a coordinator as one of its workers."""
     return SLOT_ENV in os.environ
 
 
-def run_worker(app: FastAPI, ctx: ServeContext) -> None:
-    """Serve ``app`` as worker ``$MIDFLIGHT_WORKER_SLOT`` of a coordinator (blocks)."""
+def run_shard(app: FastAPI, ctx: ServeContext) -> None:
+    """Serve ``app`` as worker ``$MIDFLIGHT_FANOUT_SLOT`` of a coordinator (blocks)."""
     slot = int(os.environ[SLOT_ENV])
     shared = socket.socket(fileno=int(os.environ[SHARED_FD_ENV]))
     private = socket.socket(fileno=int(os.environ[PRIVATE_FD_ENV]))
     peers = [f"http://{HOST}:{port}" for port in os.environ[PEERS_ENV].split(",")]
     plane: ControlPlane = app.state.plane
-    member = WorkerMember(plane, slot=slot, socket_path=os.environ[SOCKET_ENV])
+    member = FanoutShard(plane, slot=slot, socket_path=os.environ[FANOUT_SOCKET_ENV])
     original = app.router.lifespan_context
 
     @asynccontextmanager
@@ -79,13 +79,13 @@ def run_worker(app: FastAPI, ctx: ServeContext) -> None:
             yield
 
     app.router.lifespan_context = lifespan
-    routed = WorkerRouting(app, member=member, slot=slot, peers=peers, token=ctx.control_token)
+    routed = ShardRouting(app, member=member, slot=slot, peers=peers, token=ctx.control_token)
     # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
     config = uvicorn.Config(BodyLimit(routed), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[shared, private])
 
 
-def run_coordinator(app: FastAPI, ctx: ServeContext) -> None:
+def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
     """Bind, announce the port, start the workers and run the coordinator until told to stop."""
     shared = bind_listening_socket(ctx.port)
     privates = [bind_listening_socket(0) for _ in range(ctx.workers)]
@@ -108,9 +108,9 @@ async def _coordinate(
     placement: Placement = "claim" if kind == "environment" else "slot"
     coordinator = (
         # The model's undelivered calls, restored cuts and ledger import need their own rules.
-        ModelCoordinator(instance, expected=ctx.workers)
+        ModelProcessFanout(instance, expected=ctx.workers)
         if kind == "model"
-        else WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
+        else ProcessFanout(kind, instance, expected=ctx.workers, placement=placement)
     )
     plane = ControlPlane(coordinator, settings=control_settings(ctx))
     path = private_socket_path(instance)
@@ -127,7 +127,7 @@ async def _coordinate(
         env = {
             **os.environ,
             **lifeline.env,
-            SOCKET_ENV: str(path),
+            FANOUT_SOCKET_ENV: str(path),
             SLOT_ENV: str(slot),
             SHARED_FD_ENV: str(shared.fileno()),
             PRIVATE_FD_ENV: str(privates[slot].fileno()),
@@ -185,4 +185,4 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
 
 
-__all__ = ["is_worker_process", "run_coordinator", "run_worker"]
+__all__ = ["is_shard_process", "run_fanout", "run_shard"]

@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from participants import WorkerMember, authorized, error_response, slot_of
+from participants import FanoutShard, authorized, error_response, slot_of
 from protocols import (
     CONTROL_PREFIX,
     CheckpointCoordinatorUnavailableError,
@@ -54,7 +54,7 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-class WorkerRouting:
+class ShardRouting:
     """The ASGI wrapper around a worker's app.
 
     Args:
@@ -66,7 +66,7 @@ class WorkerRouting:
     """
 
     def __init__(
-        self, app: ASGIApp, *, member: WorkerMember, slot: int, peers: list[str], token: str | None
+        self, app: ASGIApp, *, member: FanoutShard, slot: int, peers: list[str], token: str | None
     ) -> None:
         self.app = app
         self.member = member

@@ -17,7 +17,7 @@ import typer
 import uvicorn
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
-from .processes import is_worker_process, run_coordinator, run_worker
+from .processes import is_shard_process, run_fanout, run_shard
 from .sockets import PortInUseError, bind_listening_socket
 
 
@@ -59,12 +59,12 @@ def run_server(app: Any, options: ServeContext | int) -> None:
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
     if isinstance(options, ServeContext) and options.workers > 1:
-        if is_worker_process():
-            run_worker(app, options)
+        if is_shard_process():
+            run_shard(app, options)
             return
         warn_if_control_is_off(options)
         try:
-            run_coordinator(app, options)
+            run_fanout(app, options)
         except PortInUseError as exc:
             _refuse_port(exc)
         return

@@ -36,13 +36,13 @@ MESSAGE_TIMEOUT_SECONDS: Final = 30.0
 """How long a light message (close, open, marks, report …) waits for its reply."""
 REPLY_GRACE_SECONDS: Final = 10.0
 """How long past a control call's own deadline its relayed reply is waited for."""
-SOCKET_ENV: Final = "MIDFLIGHT_WORKER_SOCKET"
+FANOUT_SOCKET_ENV: Final = "MIDFLIGHT_FANOUT_SOCKET"
 """The environment variable naming the coordinator's socket path in every worker."""
 
 Handler = Callable[[str, Any], Awaitable[Any]]
 """Answers one request: ``(kind, body) -> reply body``; raises a ``MidflightError`` to refuse."""
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 _HEADER = struct.Struct(">I")
 
 

@@ -1,6 +1,6 @@
 """The per-server coordinator of a server with several worker processes (control-plane §4.6).
 
-:class:`WorkerCoordinator` is a :class:`~participants.Participant` whose state lives in worker
+:class:`ProcessFanout` is a :class:`~participants.Participant` whose state lives in worker
 processes: the main process runs a :class:`~participants.ControlPlane` over it, and every
 participant operation fans out to the connected workers over their channels, replies merged.
 Workers register, push readiness reports (close generation + sequence number), relay control
@@ -43,7 +43,7 @@ from .._runtime.participant import BaseParticipant, Record
 from .._runtime.plane import ControlPlane
 from .channel import MESSAGE_TIMEOUT_SECONDS, Channel
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 
 CONTROL_BODIES: Final[dict[str, type[BaseModel] | None]] = {
     "status": None,
@@ -76,7 +76,7 @@ def checkpoint_request_json(request: CheckpointRequest) -> str:
 
 
 @dataclass
-class WorkerState:
+class ShardState:
     """What the coordinator knows of one connected worker."""
 
     pid: int
@@ -91,7 +91,7 @@ class WorkerState:
     stopping: bool = False
 
 
-class WorkerCoordinator(BaseParticipant):
+class ProcessFanout(BaseParticipant):
     """One participant made of ``expected`` worker processes.
 
     Args:
@@ -114,7 +114,7 @@ class WorkerCoordinator(BaseParticipant):
         self.kind = kind
         self.instance = instance
         self.expected = expected
-        self.workers: dict[int, WorkerState] = {}
+        self.workers: dict[int, ShardState] = {}
         self.generation = 0
         self.closed_request: CheckpointRequest | None = None
         self.lost_while_closed: list[int] = []
@@ -133,12 +133,12 @@ class WorkerCoordinator(BaseParticipant):
                 group.start_soon(self._connection, Channel(stream, peer="worker"), plane)
 
     async def _connection(self, channel: Channel, plane: ControlPlane) -> None:
-        worker: WorkerState | None = None
+        worker: ShardState | None = None
 
         async def handle(kind: str, body: Any) -> Any:
             nonlocal worker
             if kind == "register":
-                worker = WorkerState(int(body["pid"]), int(body["slot"]), channel)
+                worker = ShardState(int(body["pid"]), int(body["slot"]), channel)
                 channel.peer = f"worker {worker.pid}"
                 return self._register(worker)
             if worker is None:
@@ -166,7 +166,7 @@ class WorkerCoordinator(BaseParticipant):
             if worker is not None and self.workers.get(worker.pid) is worker:
                 self._drop(worker)
 
-    async def handle_message(self, worker: WorkerState, kind: str, body: Any) -> Any:
+    async def handle_message(self, worker: ShardState, kind: str, body: Any) -> Any:
         """A message kind of a specialised coordinator; none by default.
 
         Raises:
@@ -174,7 +174,7 @@ class WorkerCoordinator(BaseParticipant):
         """
         raise InvalidRequestError(f"unknown message kind {kind!r}")
 
-    def _register(self, worker: WorkerState) -> dict[str, Any]:
+    def _register(self, worker: ShardState) -> dict[str, Any]:
         self.workers[worker.pid] = worker
         _log.info(
             "worker.joined",
@@ -193,7 +193,7 @@ class WorkerCoordinator(BaseParticipant):
             "marks": dict(self.marks.snapshot()),
         }
 
-    def _drop(self, worker: WorkerState) -> None:
+    def _drop(self, worker: ShardState) -> None:
         del self.workers[worker.pid]
         if worker.stopping:
             _log.info("worker.stopped", participant=self.instance, pid=worker.pid, slot=worker.slot)
@@ -215,7 +215,7 @@ class WorkerCoordinator(BaseParticipant):
             )
         self.changes.notify()
 
-    def _take_report(self, worker: WorkerState, body: dict[str, Any]) -> None:
+    def _take_report(self, worker: ShardState, body: dict[str, Any]) -> None:
         generation, seq = int(body["generation"]), int(body["seq"])
         # Reports of an older close, or older than the newest we hold, describe a past state.
         if (generation, seq) <= (worker.generation, worker.seq):
@@ -235,7 +235,7 @@ class WorkerCoordinator(BaseParticipant):
         body: Any,
         *,
         within: float = MESSAGE_TIMEOUT_SECONDS,
-        to: Sequence[WorkerState] | None = None,
+        to: Sequence[ShardState] | None = None,
     ) -> dict[int, Any]:
         """Send ``kind`` to every worker (or ``to``) at once; pid → reply body.
 
@@ -246,7 +246,7 @@ class WorkerCoordinator(BaseParticipant):
         replies: dict[int, Any] = {}
         errors: list[BaseException] = []
 
-        async def one(worker: WorkerState) -> None:
+        async def one(worker: ShardState) -> None:
             try:
                 replies[worker.pid] = await worker.channel.request(kind, body, within=within)
             except Exception as exc:
@@ -418,7 +418,7 @@ class WorkerCoordinator(BaseParticipant):
                 body = {"records": share, "scope": share_scope, "manifest": self._manifest}
                 group.start_soon(self._install_one, worker, body)
 
-    async def _claim(self, worker: WorkerState, capture_key: str) -> bool:
+    async def _claim(self, worker: ShardState, capture_key: str) -> bool:
         """The first claim of a restored key wins; the other workers drop their copy."""
         if self.closed_request is not None:
             raise AdmissionClosedError("a checkpoint is open; claim restored state after resume")
@@ -431,7 +431,7 @@ class WorkerCoordinator(BaseParticipant):
         _log.info("worker.claimed", participant=self.instance, pid=worker.pid, key=capture_key)
         return True
 
-    async def _install_one(self, worker: WorkerState, body: dict[str, Any]) -> None:
+    async def _install_one(self, worker: ShardState, body: dict[str, Any]) -> None:
         await worker.channel.request("install", body, within=MESSAGE_TIMEOUT_SECONDS * 4)
 
     def restored_pending(self) -> list[EpisodeId]:

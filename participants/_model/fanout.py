@@ -1,6 +1,6 @@
 """The coordinator of a policy model server with several workers (reference §3.11, §7.10).
 
-The generic :class:`~participants.WorkerCoordinator` merges workers' records by episode, which
+The generic :class:`~participants.ProcessFanout` merges workers' records by episode, which
 is wrong for the model in three ways this subclass fixes:
 
 - **Undelivered calls, every worker's.** All workers share one ledger directory, so each reads
@@ -26,11 +26,11 @@ import structlog
 from protocols import AdmissionClosedError, CheckpointError, EpisodeId, GenerationCutRecord
 
 from .._fanout.channel import MESSAGE_TIMEOUT_SECONDS
-from .._fanout.group import WorkerCoordinator, WorkerState, slot_of
+from .._fanout.group import ProcessFanout, ShardState, slot_of
 from .._runtime.participant import Record
 from .records import checked_restore, model_commit_reply
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 
 
 def merge_model_shares(
@@ -65,7 +65,7 @@ def merge_model_shares(
     return records
 
 
-class ModelCoordinator(WorkerCoordinator):
+class ModelProcessFanout(ProcessFanout):
     """The per-server coordinator of a model server with ``expected`` workers.
 
     Args:
@@ -80,7 +80,7 @@ class ModelCoordinator(WorkerCoordinator):
         self.cut_claims: dict[str, int] = {}
         """Target capture key → pid of the worker that claimed its cut."""
 
-    async def handle_message(self, worker: WorkerState, kind: str, body: Any) -> Any:
+    async def handle_message(self, worker: ShardState, kind: str, body: Any) -> Any:
         """``claim_cut`` and ``return_cut``."""
         if kind == "claim_cut":
             return self._claim_cut(worker, str(body["capture_key"]), str(body["request_digest"]))
@@ -89,7 +89,7 @@ class ModelCoordinator(WorkerCoordinator):
             return None
         return await super().handle_message(worker, kind, body)
 
-    def _claim_cut(self, worker: WorkerState, key: str, digest: str) -> dict[str, Any] | None:
+    def _claim_cut(self, worker: ShardState, key: str, digest: str) -> dict[str, Any] | None:
         # While a checkpoint is open the export reads self.cuts: a cut moving to a worker then
         # could be in neither share. The call waits for resume instead, and the cut is carried.
         if self.closed_request is not None:
@@ -103,7 +103,7 @@ class ModelCoordinator(WorkerCoordinator):
         self.changes.notify()
         return record
 
-    def _return_cut(self, worker: WorkerState, key: str, record: dict[str, Any]) -> None:
+    def _return_cut(self, worker: ShardState, key: str, record: dict[str, Any]) -> None:
         if self.cut_claims.get(key) != worker.pid:
             return  # retired or deleted meanwhile: the cut is gone for good
         GenerationCutRecord.model_validate(record)
@@ -147,7 +147,7 @@ class ModelCoordinator(WorkerCoordinator):
         workers = sorted(self.workers.values(), key=lambda w: w.slot)
         scope_json = [e.model_dump(mode="json") for e in scope]
 
-        def body(worker: WorkerState, *, importer: bool) -> dict[str, Any]:
+        def body(worker: ShardState, *, importer: bool) -> dict[str, Any]:
             targets = [k for k in ledgers if slot_of(_rollout(k), self.expected) == worker.slot]
             return {
                 "records": list(records) if importer else [],

@@ -111,7 +111,7 @@ class ModelParticipant(BaseParticipant):
         self.cut_counts: dict[str, int] = {}
         self.cut_telemetry = GenerationCutTelemetry(instance, registry)
         self.served = False
-        # Set by a WorkerMember when this is one worker of several: the coordinator holds the
+        # Set by a FanoutShard when this is one worker of several: the coordinator holds the
         # restored cuts, and a call claims its own before continuing it.
         self.claim_cut: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
         self.return_cut: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None

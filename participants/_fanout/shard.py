@@ -1,6 +1,6 @@
 """The worker end of a server with several worker processes (control-plane §4.6).
 
-A :class:`WorkerMember` connects the worker's own participant to the coordinator in the main
+A :class:`FanoutShard` connects the worker's own participant to the coordinator in the main
 process: it registers (adopting an open checkpoint and the retire marks at once), answers the
 coordinator's fan-out messages by calling the local participant, pushes readiness reports
 whenever they change (close generation + sequence number), relays the control calls this worker
@@ -37,14 +37,14 @@ HEALTH_TIMEOUT_SECONDS: Final = 5.0
 STOPPING_TIMEOUT_SECONDS: Final = 2.0
 """A clean stop tells the coordinator first, but never waits long for its answer."""
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 
 
 def _default_on_lost() -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-class WorkerMember:
+class FanoutShard:
     """One worker process's participant, served to the coordinator.
 
     Args:
@@ -52,7 +52,7 @@ class WorkerMember:
             plane checks (its control operations are never called: the coordinator's are).
         slot: The worker's slot (which rollouts it owns).
         socket_path: The coordinator's Unix socket.
-        on_coordinator_lost: What to do when the channel closes unasked; SIGTERM to self.
+        on_fanout_lost: What to do when the channel closes unasked; SIGTERM to self.
         pid: How the coordinator names this worker; the process id unless a test sets it.
     """
 
@@ -62,7 +62,7 @@ class WorkerMember:
         *,
         slot: int,
         socket_path: Path | str,
-        on_coordinator_lost: Callable[[], None] = _default_on_lost,
+        on_fanout_lost: Callable[[], None] = _default_on_lost,
         pid: int | None = None,
     ) -> None:
         self.plane = plane
@@ -70,7 +70,7 @@ class WorkerMember:
         self.slot = slot
         self.pid = os.getpid() if pid is None else pid
         self.socket_path = socket_path
-        self.on_coordinator_lost = on_coordinator_lost
+        self.on_fanout_lost = on_fanout_lost
         self.generation = 0
         self.closed = False
         self._seq = 0
@@ -94,7 +94,7 @@ class WorkerMember:
         return self._channel
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator[WorkerMember]:
+    async def running(self) -> AsyncIterator[FanoutShard]:
         """Connect and register, serve the coordinator while the block runs, then stop cleanly."""
         channel = await connect(self.socket_path)
         self._channel = channel
@@ -126,7 +126,7 @@ class WorkerMember:
         await channel.serve(self._handle)
         if not self._stopping:
             _log.warning("worker.coordinator_lost", pid=self.pid, slot=self.slot)
-            self.on_coordinator_lost()
+            self.on_fanout_lost()
 
     async def _adopt(self, reply: dict[str, Any]) -> None:
         """Take the retire marks and, while a checkpoint is open, close at once."""

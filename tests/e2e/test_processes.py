@@ -72,7 +72,7 @@ def _running(pid: int) -> bool:
 
 def _socket_dir(worker_pid: int) -> Path:
     environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
-    named = [v for v in environ if v.startswith(b"MIDFLIGHT_WORKER_SOCKET=")]
+    named = [v for v in environ if v.startswith(b"MIDFLIGHT_FANOUT_SOCKET=")]
     return Path(named[0].split(b"=", 1)[1].decode()).parent
 
 

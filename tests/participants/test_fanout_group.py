@@ -13,7 +13,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from participants import ControlPlane, Placement, WorkerCoordinator, WorkerMember, listen_private
+from participants import ControlPlane, FanoutShard, Placement, ProcessFanout, listen_private
 from protocols import (
     CheckpointCoordinatorUnavailableError,
     CheckpointError,
@@ -34,15 +34,15 @@ pytestmark = pytest.mark.anyio
 @dataclass
 class Worker:
     fake: FakeParticipant
-    member: WorkerMember
+    member: FanoutShard
     stack: AsyncExitStack
-    lost_coordinator: list[bool]
+    lost_fanout: list[bool]
 
 
 class Server:
     """A coordinator with its plane, and workers that join and leave on demand."""
 
-    def __init__(self, coordinator: WorkerCoordinator, plane: ControlPlane, path: Path) -> None:
+    def __init__(self, coordinator: ProcessFanout, plane: ControlPlane, path: Path) -> None:
         self.coordinator = coordinator
         self.plane = plane
         self.path = path
@@ -52,12 +52,12 @@ class Server:
         fake = FakeParticipant()
         local = ControlPlane(fake)
         lost: list[bool] = []
-        member = WorkerMember(
+        member = FanoutShard(
             local,
             slot=slot,
             socket_path=self.path,
             pid=pid,
-            on_coordinator_lost=lambda: lost.append(True),
+            on_fanout_lost=lambda: lost.append(True),
         )
         stack = AsyncExitStack()
         await stack.enter_async_context(member.running())
@@ -92,7 +92,7 @@ async def wait_for(condition: object, within: float = 10.0) -> None:
 async def server(
     tmp_path: Path, expected: int = 2, placement: Placement = "slot"
 ) -> AsyncIterator[Server]:
-    coordinator = WorkerCoordinator("environment", "fake", expected=expected, placement=placement)
+    coordinator = ProcessFanout("environment", "fake", expected=expected, placement=placement)
     plane = ControlPlane(coordinator)
     path = tmp_path / "c.sock"
     listener = await listen_private(path)
@@ -201,7 +201,7 @@ async def test_a_worker_that_loses_its_coordinator_stops_itself(tmp_path: Path) 
     async with server(tmp_path) as made:
         worker = await made.join(101, 0)
         await made.coordinator.workers[101].channel.aclose()
-        await wait_for(lambda: worker.lost_coordinator == [True])
+        await wait_for(lambda: worker.lost_fanout == [True])
         worker.member._stopping = True
         made.workers.pop(101)
         await worker.stack.aclose()
@@ -247,7 +247,7 @@ async def test_a_restored_episode_is_claimed_by_exactly_one_worker(tmp_path: Pat
         async with anyio.create_task_group() as group:
             for worker in (a, b):
 
-                async def claim(member: WorkerMember = worker.member) -> None:
+                async def claim(member: FanoutShard = worker.member) -> None:
                     wins.append(await member.claim(key))
 
                 group.start_soon(claim)

@@ -17,12 +17,12 @@ import pytest
 
 from participants import (
     ControlPlane,
+    FanoutShard,
     FileCaptureLedger,
     MemoryCaptureLedger,
-    ModelCoordinator,
     ModelParticipant,
+    ModelProcessFanout,
     ModelTicket,
-    WorkerMember,
     listen_private,
 )
 from protocols import CheckpointRequest, EpisodeId, RolloutRetiredError
@@ -47,9 +47,9 @@ class CountingLedger(FileCaptureLedger):
 
 
 class ModelServer:
-    """A ModelCoordinator and two model workers sharing one ledger directory."""
+    """A ModelProcessFanout and two model workers sharing one ledger directory."""
 
-    def __init__(self, coordinator: ModelCoordinator, root: Path) -> None:
+    def __init__(self, coordinator: ModelProcessFanout, root: Path) -> None:
         self.coordinator = coordinator
         self.root = root
         self.imports: list[list[str]] = []
@@ -59,7 +59,7 @@ class ModelServer:
         ledger = CountingLedger(self.root / "ledger", self.imports)
         stack.callback(ledger.close)
         model = ModelParticipant(ledger, cut_requester=FakeWorker())
-        member = WorkerMember(ControlPlane(model), slot=slot, socket_path=path, pid=pid)
+        member = FanoutShard(ControlPlane(model), slot=slot, socket_path=path, pid=pid)
         await stack.enter_async_context(member.running())
         self.models[pid] = model
         with anyio.fail_after(10):
@@ -69,7 +69,7 @@ class ModelServer:
 
 @asynccontextmanager
 async def model_server(tmp_path: Path) -> AsyncIterator[ModelServer]:
-    coordinator = ModelCoordinator("policy", expected=2)
+    coordinator = ModelProcessFanout("policy", expected=2)
     plane = ControlPlane(coordinator)
     path = tmp_path / "c.sock"
     listener = await listen_private(path)

@@ -27,14 +27,18 @@ from ._fanout.channel import (
     FRAME_MAX_BYTES,
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
-    SOCKET_OWNER_FILE,
     Channel,
+)
+from ._fanout.group import ProcessFanout
+from ._fanout.placement import Placement, slot_of
+from ._fanout.roster import ShardState
+from ._fanout.shard import REPORT_POLL_SECONDS, FanoutShard
+from ._fanout.sockets import (
+    SOCKET_OWNER_FILE,
     listen_private,
     private_socket_path,
     remove_stale_socket_dirs,
 )
-from ._fanout.group import Placement, ProcessFanout, ShardState, slot_of
-from ._fanout.shard import REPORT_POLL_SECONDS, FanoutShard
 from ._http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._http.router import (
     authorized,

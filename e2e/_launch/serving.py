@@ -3,7 +3,7 @@
 A server binds its port itself (``--port 0`` picks a free one), listens, and only then prints
 ``listening on http://127.0.0.1:<port>`` on stdout, so a supervisor can read the port and connect
 at once. After that line, everything the server prints goes to stderr (its log). With several
-worker processes the main process binds and hands the work to them (``processes``).
+shard processes the main process binds and hands the work to them (``processes``).
 """
 
 from __future__ import annotations

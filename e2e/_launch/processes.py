@@ -88,7 +88,7 @@ def run_shard(app: FastAPI, ctx: ServeContext) -> None:
 def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
     """Bind, announce the port, start the shards and run the fan-out until told to stop."""
     shared = bind_listening_socket(ctx.port)
-    privates = [bind_listening_socket(0) for _ in range(ctx.workers)]
+    privates = [bind_listening_socket(0) for _ in range(ctx.processes)]
     bound = shared.getsockname()[1]
     participant = app.state.plane.participant
     sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
@@ -108,9 +108,9 @@ async def _serve_fanout(
     placement: Placement = "claim" if kind == "environment" else "slot"
     fanout = (
         # The model's undelivered calls, restored cuts and ledger import need their own rules.
-        ModelProcessFanout(instance, expected=ctx.workers)
+        ModelProcessFanout(instance, expected=ctx.processes)
         if kind == "model"
-        else ProcessFanout(kind, instance, expected=ctx.workers, placement=placement)
+        else ProcessFanout(kind, instance, expected=ctx.processes, placement=placement)
     )
     plane = ControlPlane(fanout, settings=control_settings(ctx))
     path = private_socket_path(instance)
@@ -145,7 +145,7 @@ async def _serve_fanout(
 
     async def watch_shards() -> None:
         while not stop.is_set():
-            for slot in range(ctx.workers):
+            for slot in range(ctx.processes):
                 process = processes.get(slot)
                 if process is None or process.poll() is not None:
                     if process is not None:

@@ -58,7 +58,7 @@ def run_server(app: Any, options: ServeContext | int) -> None:
     """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
-    if isinstance(options, ServeContext) and options.workers > 1:
+    if isinstance(options, ServeContext) and options.processes > 1:
         if is_shard_process():
             run_shard(app, options)
             return

@@ -55,7 +55,7 @@ def _wait(condition: Any, what: str, within: float = 30.0) -> Any:
 def server(tmp_path: Path) -> Iterator[tuple[ServerProcess, Path]]:
     log = tmp_path / "resources.log"
     argv = [sys.executable, "-m", "e2e", "serve", "resources", "--port", "0"]
-    argv += ["--root", str(tmp_path / "run"), "--workers", "2"]
+    argv += ["--root", str(tmp_path / "run"), "--processes", "2"]
     with ServerProcess(argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=log) as process:
         _wait(lambda: len(_events(log, "shard.joined")) >= 2, "two shards to join")
         yield process, log
@@ -164,7 +164,7 @@ def test_the_drill_with_two_processes_per_server_is_green(tmp_path: Path) -> Non
         [
             *(sys.executable, "-m", "e2e", "drill", "--json", "--keep-dir", str(tmp_path)),
             *("--rollouts", "2", "--checkpoints", "3", "--crashes", "2", "--concurrency", "2"),
-            *("--restart-only-share", "0", "--workers", "2"),
+            *("--restart-only-share", "0", "--processes", "2"),
         ],
         capture_output=True,
         text=True,

@@ -25,6 +25,7 @@ import structlog
 from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from protocols import (
     CheckpointCoordinatorUnavailableError,
@@ -261,6 +262,10 @@ class Channel:
             await self._send(reply)
         except MidflightError as exc:  # the reply itself cannot be framed
             await self._send_quietly(ErrorFrame(reply_to=frame.id, error=_error_body(exc)))
+        except PydanticSerializationError:  # a handler returned what JSON cannot carry
+            _log.exception("fanout.reply_unserializable", kind=message.kind, peer=self.peer)
+            refusal = InternalError(f"the reply to {message.kind} cannot be written as JSON")
+            await self._send_quietly(ErrorFrame(reply_to=frame.id, error=_error_body(refusal)))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the other end is gone; its waiters fail on their side
 

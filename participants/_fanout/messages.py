@@ -390,5 +390,10 @@ class ErrorFrame(_Closed):
 Frame = Annotated[RequestFrame | ReplyFrame | ErrorFrame, Field(discriminator="frame")]
 """One frame of the channel."""
 
-FRAMES: Final[TypeAdapter[RequestFrame | ReplyFrame | ErrorFrame]] = TypeAdapter(Frame)
-"""The one adapter that reads every frame, and the message inside a request."""
+FRAMES: Final[TypeAdapter[RequestFrame | ReplyFrame | ErrorFrame]] = TypeAdapter(
+    Frame,
+    # NaN and the infinities cross as JSON's usual constants, as they did through ``json``: a
+    # record's float is carried exactly, never turned into null (reference §4.6).
+    config=ConfigDict(ser_json_inf_nan="constants"),
+)
+"""The one adapter that reads and writes every frame, the message inside a request included."""

@@ -261,3 +261,32 @@ async def test_a_refusal_keeps_its_code_across_the_channel(tmp_path: Path) -> No
         with pytest.raises(StaleAttemptError, match="r1-a2 is retired") as caught:
             await near.request(Retire(episode_id=EPISODE), within=10)
     assert caught.value.code == "stale_attempt"
+
+
+async def test_records_cross_exactly_nan_infinities_and_big_integers_included(
+    tmp_path: Path,
+) -> None:
+    record = {
+        "episode_id": EPISODE.model_dump(),
+        "floats": [float("nan"), float("inf"), float("-inf"), 0.1 + 0.2, -0.0],
+        "ints": [2**200, -(2**100), 0],
+        "text": 'é☃\n"quoted"',
+    }
+    received: list[Any] = []
+    far = _answering(received, {ExportRecords: [record], Install: None})
+    async with channels(tmp_path, far) as near:
+        (back,) = await near.request(ExportRecords(scope=None), within=10)
+        await near.request(Install(records=[record], scope=[], manifest=None), within=10)
+    (install,) = [m for m in received if isinstance(m, Install)]
+    for crossed in (back, install.records[0]):
+        assert json.dumps(crossed) == json.dumps(record)  # NaN != NaN: compare the text
+
+
+async def test_a_reply_json_cannot_carry_is_an_internal_error_and_the_channel_goes_on(
+    tmp_path: Path,
+) -> None:
+    far = _answering([], {ShardMetrics: object(), Open: None})
+    async with channels(tmp_path, far) as near:
+        with pytest.raises(InternalError, match="shard_metrics cannot be written as JSON"):
+            await near.request(ShardMetrics(), within=10)
+        assert await near.request(Open(), within=10) is None

@@ -25,18 +25,22 @@ from ._environment.models import (
 from ._environment.participant import EnvironmentParticipant
 from ._environment.steps import EpisodeSteps, TrackedEpisode
 from ._fanout.channel import (
+    FANOUT_SOCKET_ENV,
     FRAME_MAX_BYTES,
     MESSAGE_TIMEOUT_SECONDS,
     REPLY_GRACE_SECONDS,
-    SOCKET_ENV,
-    SOCKET_OWNER_FILE,
     Channel,
+)
+from ._fanout.group import ProcessFanout
+from ._fanout.placement import Placement, slot_of
+from ._fanout.roster import ShardState
+from ._fanout.shard import REPORT_POLL_SECONDS, FanoutShard
+from ._fanout.sockets import (
+    SOCKET_OWNER_FILE,
     listen_private,
     private_socket_path,
     remove_stale_socket_dirs,
 )
-from ._fanout.group import Placement, WorkerCoordinator, WorkerState, slot_of
-from ._fanout.member import REPORT_POLL_SECONDS, WorkerMember
 from ._http.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from ._http.router import (
     authorized,
@@ -61,7 +65,7 @@ from ._ledger.memory import MemoryCaptureLedger
 from ._ledger.removal import RETIRE_STEPS
 from ._ledger.routes import ledger_control_router
 from ._model.cuts import CutRequester, generation_cut_restart_reason
-from ._model.fanout import ModelCoordinator
+from ._model.fanout import ModelProcessFanout
 from ._model.gate import ModelTicket
 from ._model.participant import MODEL_FAULTS, CallAborter, ModelParticipant
 from ._resources.models import (
@@ -119,6 +123,7 @@ __all__ = [
     "DEFAULT_MAX_CACHED_ROLLOUTS",
     "DEFAULT_MAX_CACHED_ROWS",
     "DEFAULT_STRIPES",
+    "FANOUT_SOCKET_ENV",
     "FRAME_MAX_BYTES",
     "GENERATION_CUT_OUTCOMES",
     "KILL_BOUNDARIES",
@@ -131,7 +136,6 @@ __all__ = [
     "REPORT_POLL_SECONDS",
     "RESOURCES_MODES",
     "RETIRE_STEPS",
-    "SOCKET_ENV",
     "SOCKET_OWNER_FILE",
     "TEST_HOOKS_ENV",
     "VERIFY_MODES",
@@ -161,6 +165,7 @@ __all__ = [
     "EnvironmentRecord",
     "EpisodeOutcome",
     "EpisodeSteps",
+    "FanoutShard",
     "FileCaptureLedger",
     "FileTokenStagingStore",
     "GenerationCutTelemetry",
@@ -169,12 +174,13 @@ __all__ = [
     "LedgerCacheCollector",
     "ManualClock",
     "MemoryCaptureLedger",
-    "ModelCoordinator",
     "ModelParticipant",
+    "ModelProcessFanout",
     "ModelTicket",
     "Participant",
     "ParticipantCheckpoint",
     "Placement",
+    "ProcessFanout",
     "Record",
     "RecordsWriter",
     "ResourcesAdmission",
@@ -189,13 +195,11 @@ __all__ = [
     "RolloutTokenCapture",
     "RowCache",
     "SeededSession",
+    "ShardState",
     "StreamingUnsupportedError",
     "SystemClock",
     "TrackedEpisode",
     "VerifyMode",
-    "WorkerCoordinator",
-    "WorkerMember",
-    "WorkerState",
     "authorized",
     "build_report",
     "choose_tool",

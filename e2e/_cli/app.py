@@ -65,7 +65,7 @@ def main() -> None:
 
     A process the harness started dies with its parent (its lifeline, D242). Every command but
     ``serve`` cleans up on SIGTERM and SIGHUP as on Ctrl-C; a server keeps its own handlers
-    (uvicorn's, or the several-worker coordinator's).
+    (uvicorn's, or the main process's of a server with several processes).
     """
     hold_lifeline()
     app = build_app()

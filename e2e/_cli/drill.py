@@ -182,10 +182,15 @@ def register(app: typer.Typer) -> None:
                 help="Share of the rollouts run through a restart-only agent (0 for none).",
             ),
         ] = 0.2,
-        workers: Annotated[
+        processes: Annotated[
             int,
             typer.Option(
-                min=1, max=16, help="Worker processes per server (each still one participant)."
+                "--processes",
+                "--workers",
+                min=1,
+                max=16,
+                help="Processes per server but the inference worker (each server still one "
+                "participant). --workers is the same option.",
             ),
         ] = 1,
         keep_dir: Annotated[
@@ -260,11 +265,11 @@ def register(app: typer.Typer) -> None:
             verify=verify,
             resources_mode=resources_mode,
             restart_only_share=restart_only_share,
-            workers=workers,
+            processes=processes,
         )
         if matrix is not None:
             # Matrix cells run one crash each and no restart-only share (their own crash plan).
-            cells = dataclasses.replace(options, restart_only_share=0.0, workers=1)
+            cells = dataclasses.replace(options, restart_only_share=0.0, processes=1)
             run_matrix_command(matrix, cells, keep_dir, jobs=matrix_jobs, as_json=as_json)
         work = keep_dir.resolve() if keep_dir else Path(tempfile.mkdtemp(prefix="midflight-drill-"))
         if sequences:

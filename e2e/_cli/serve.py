@@ -40,13 +40,15 @@ class ServeOptions:
             help="Commit and restore only checkpoint directories under DIR; default: the run root.",
         ),
     ]
-    Workers = Annotated[
+    Processes = Annotated[
         int,
         typer.Option(
+            "--processes",
             "--workers",
             min=1,
             max=64,
-            help="Worker processes behind one port; still one participant (1: one process).",
+            help="Processes behind one port, each serving a shard of the rollouts; still one "
+            "participant (1: one process). --workers is the same option.",
         ),
     ]
 
@@ -133,7 +135,7 @@ def _register_model(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
-        workers: ServeOptions.Workers = 1,
+        processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         worker_url: Annotated[
             str | None,
@@ -149,7 +151,7 @@ def _register_model(serve_app: typer.Typer) -> None:
             port=port,
             cluster=cluster,
             root=root,
-            workers=workers,
+            processes=processes,
             checkpoint_root=checkpoint_root,
         )
         app = create_model_app(
@@ -169,7 +171,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["resources"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
-        workers: ServeOptions.Workers = 1,
+        processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         mode: Annotated[
             ModeChoice, typer.Option(help="exported (the reference deployment), stateless, …")
@@ -193,7 +195,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
             port=port,
             cluster=cluster,
             root=root,
-            workers=workers,
+            processes=processes,
             checkpoint_root=checkpoint_root,
         )
         app = create_resources_app(
@@ -217,7 +219,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["agent"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
-        workers: ServeOptions.Workers = 1,
+        processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         restart_only: Annotated[
             bool,
@@ -233,7 +235,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
             port=port,
             cluster=cluster,
             root=root,
-            workers=workers,
+            processes=processes,
             checkpoint_root=checkpoint_root,
         )
         run_server(create_agent_app(options, restart_only=restart_only), options)
@@ -252,7 +254,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
-        workers: ServeOptions.Workers = 1,
+        processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         episode_seconds: Annotated[
             float,
@@ -279,7 +281,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
             port=port,
             cluster=cluster,
             root=root,
-            workers=workers,
+            processes=processes,
             checkpoint_root=checkpoint_root,
         )
         timeouts = PeerTimeouts(

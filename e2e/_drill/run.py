@@ -78,7 +78,8 @@ class DrillOptions:
     verify: str = "wait"
     resources_mode: str = "exported"
     restart_only_share: float = 0.2
-    workers: int = 1
+    processes: int = 1
+    """``--processes``: shard processes per server but the inference worker (1: none)."""
 
     def task_input(self) -> dict[str, int]:
         """The counter task every rollout runs (what its tokens and reward depend on)."""
@@ -90,13 +91,17 @@ class DrillOptions:
         }
 
 
-MULTI_WORKER_ROLES: Final = ("model", "resources", "agent", "environment")
-"""The roles ``--workers N`` runs with N worker processes (the others keep one)."""
+MULTI_PROCESS_ROLES: Final = ("model", "resources", "agent", "environment")
+"""The roles ``--processes N`` runs as N shard processes (the inference worker keeps one)."""
 
 
-def worker_options(workers: int) -> dict[str, Any]:
-    """The role option that asks for ``workers`` processes; none for the single-process path."""
-    return {"workers": workers} if workers > 1 else {}
+def process_options(processes: int) -> dict[str, Any]:
+    """The role option that asks for ``processes`` shards; none for the single-process path.
+
+    The key stays ``workers`` (the cluster-file spelling of the e2e contract, §1): the
+    supervisor passes it as ``--workers N``, the same option as ``--processes N``.
+    """
+    return {"workers": processes} if processes > 1 else {}
 
 
 def restart_only_rollouts(rollouts: list[str], share: float) -> list[str]:
@@ -234,19 +239,19 @@ def run_cluster(
             ExtraServer(RESTART_AGENT, "agent", {"restart_only": True}),
             ExtraServer(RESTART_ENVIRONMENT, "environment", peers={"agent": RESTART_AGENT}),
         )
-    workers = worker_options(options.workers)
-    if workers and restart_only:
+    shards = process_options(options.processes)
+    if shards and restart_only:
         extra = tuple(
-            ExtraServer(e.name, e.role, {**e.options, **workers}, e.peers)
-            if e.role in MULTI_WORKER_ROLES
+            ExtraServer(e.name, e.role, {**e.options, **shards}, e.peers)
+            if e.role in MULTI_PROCESS_ROLES
             else e
             for e in extra
         )
     supervisor_options = SupervisorOptions(
         role_options={
             "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
-            "resources": {"mode": options.resources_mode, "verify": options.verify, **workers},
-            **{role: dict(workers) for role in MULTI_WORKER_ROLES if role != "resources"},
+            "resources": {"mode": options.resources_mode, "verify": options.verify, **shards},
+            **{role: dict(shards) for role in MULTI_PROCESS_ROLES if role != "resources"},
         },
         env=env,
         extra_servers=extra,

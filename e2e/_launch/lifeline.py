@@ -4,9 +4,9 @@ A **lifeline** is a pipe per child: the child inherits the read end (its number 
 ``MIDFLIGHT_LIFELINE_FD``), the parent keeps the write end and never writes to it. However the
 parent dies — SIGKILL, a test's timeout, an uncaught exception — the kernel closes the write end,
 the child's read returns end-of-file, and the child SIGKILLs its own process group when it leads
-one (a server and its worker processes), else itself. A pipe is per process, unlike Linux's
+one (a server and its shard processes), else itself. A pipe is per process, unlike Linux's
 parent-death signal, which fires when the *thread* that forked exits (the tests start servers
-from worker threads that come and go).
+from threads that come and go).
 
 The harness commands also turn SIGTERM and SIGHUP into ``KeyboardInterrupt``, so they clean up
 exactly as on Ctrl-C (:func:`terminate_as_interrupt`).
@@ -94,7 +94,7 @@ def _wait_for_parent(fd: int) -> None:
             break
     if os.getpgrp() == os.getpid():
         with contextlib.suppress(OSError):
-            os.killpg(os.getpid(), signal.SIGKILL)  # the group: a server's workers with it
+            os.killpg(os.getpid(), signal.SIGKILL)  # the group: a server's shards with it
     os.kill(os.getpid(), signal.SIGKILL)
 
 

@@ -1,15 +1,15 @@
-"""``--workers N``: one reference server as a coordinator process and N worker processes.
+"""``--processes N``: one reference server as a main process and N shard processes.
 
-The main process binds the public port and one private port per worker slot on 127.0.0.1, prints
-the ``listening on`` line, and runs the per-server coordinator (the control plane over a
-:class:`participants.WorkerCoordinator`). It starts each worker as ``python -m e2e <same
-command>`` with the sockets inherited, in its own process group (a SIGKILL of the group leaves no
-worker holding the port), and starts a worker again, in the same slot, when one exits.
+The main process binds the public port and one private port per slot on 127.0.0.1, prints the
+``listening on`` line, and runs the fan-out (the control plane over a
+:class:`participants.ProcessFanout`). It starts each shard as ``python -m e2e <same command>``
+with the sockets inherited, in its own process group (a SIGKILL of the group leaves no shard
+holding the port), and starts a shard again, in the same slot, when one exits.
 
-A worker serves the role's app on the shared socket and its private one, behind
-:class:`WorkerRouting`: control calls are relayed to the coordinator, a data-plane request of a
-rollout another slot owns is proxied to that worker's private port, ``/close_session`` is
-broadcast, and ``/metrics`` is aggregated across workers.
+A shard serves the role's app on the shared socket and its private one, behind
+:class:`ShardRouting`: control calls are relayed to the fan-out, a data-plane request of a
+rollout another slot owns is proxied to that shard's private port, ``/close_session`` is
+broadcast, and ``/metrics`` is aggregated across shards.
 """
 
 from __future__ import annotations
@@ -30,89 +30,89 @@ import uvicorn
 from fastapi import FastAPI
 
 from participants import (
-    SOCKET_ENV,
+    FANOUT_SOCKET_ENV,
     SOCKET_OWNER_FILE,
     BodyLimit,
     ControlPlane,
-    ModelCoordinator,
+    FanoutShard,
+    ModelProcessFanout,
     Placement,
-    WorkerCoordinator,
-    WorkerMember,
+    ProcessFanout,
     listen_private,
     private_socket_path,
 )
 
 from .._servers.context import HOST, ServeContext, control_settings
 from .lifeline import Lifeline
-from .routing import WorkerRouting
+from .routing import ShardRouting
 from .sockets import bind_listening_socket
 
-SLOT_ENV: Final = "MIDFLIGHT_WORKER_SLOT"
-SHARED_FD_ENV: Final = "MIDFLIGHT_WORKER_SHARED_FD"
-PRIVATE_FD_ENV: Final = "MIDFLIGHT_WORKER_PRIVATE_FD"
-PEERS_ENV: Final = "MIDFLIGHT_WORKER_PEERS"
+SLOT_ENV: Final = "MIDFLIGHT_FANOUT_SLOT"
+SHARED_FD_ENV: Final = "MIDFLIGHT_FANOUT_SHARED_FD"
+PRIVATE_FD_ENV: Final = "MIDFLIGHT_FANOUT_PRIVATE_FD"
+PEERS_ENV: Final = "MIDFLIGHT_FANOUT_PEERS"
 """Comma-separated private ports, one per slot in slot order."""
 RESTART_DELAY_SECONDS: Final = 0.5
-"""A worker that exits is started again after this pause (a crash loop stays slow)."""
+"""A shard that exits is started again after this pause (a crash loop stays slow)."""
 
-_log = structlog.get_logger("midflight.workers")
+_log = structlog.get_logger("midflight.fanout")
 
 
-def is_worker_process() -> bool:
-    """Whether this process was started by a coordinator as one of its workers."""
+def is_shard_process() -> bool:
+    """Whether this process was started by a main process as one of its shards."""
     return SLOT_ENV in os.environ
 
 
-def run_worker(app: FastAPI, ctx: ServeContext) -> None:
-    """Serve ``app`` as worker ``$MIDFLIGHT_WORKER_SLOT`` of a coordinator (blocks)."""
+def run_shard(app: FastAPI, ctx: ServeContext) -> None:
+    """Serve ``app`` as the shard in slot ``$MIDFLIGHT_FANOUT_SLOT`` (blocks)."""
     slot = int(os.environ[SLOT_ENV])
     shared = socket.socket(fileno=int(os.environ[SHARED_FD_ENV]))
     private = socket.socket(fileno=int(os.environ[PRIVATE_FD_ENV]))
     peers = [f"http://{HOST}:{port}" for port in os.environ[PEERS_ENV].split(",")]
     plane: ControlPlane = app.state.plane
-    member = WorkerMember(plane, slot=slot, socket_path=os.environ[SOCKET_ENV])
+    shard = FanoutShard(plane, slot=slot, socket_path=os.environ[FANOUT_SOCKET_ENV])
     original = app.router.lifespan_context
 
     @asynccontextmanager
     async def lifespan(inner: Any) -> AsyncIterator[None]:
-        async with original(inner), member.running():
+        async with original(inner), shard.running():
             yield
 
     app.router.lifespan_context = lifespan
-    routed = WorkerRouting(app, member=member, slot=slot, peers=peers, token=ctx.control_token)
+    routed = ShardRouting(app, shard=shard, slot=slot, peers=peers, token=ctx.control_token)
     # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
     config = uvicorn.Config(BodyLimit(routed), log_level="warning", access_log=False, lifespan="on")
     uvicorn.Server(config).run(sockets=[shared, private])
 
 
-def run_coordinator(app: FastAPI, ctx: ServeContext) -> None:
-    """Bind, announce the port, start the workers and run the coordinator until told to stop."""
+def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
+    """Bind, announce the port, start the shards and run the fan-out until told to stop."""
     shared = bind_listening_socket(ctx.port)
-    privates = [bind_listening_socket(0) for _ in range(ctx.workers)]
+    privates = [bind_listening_socket(0) for _ in range(ctx.processes)]
     bound = shared.getsockname()[1]
     participant = app.state.plane.participant
     sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
     sys.stdout.flush()
     sys.stdout = sys.stderr
-    anyio.run(_coordinate, participant.kind, participant.instance, ctx, shared, privates)
+    anyio.run(_serve_fanout, participant.kind, participant.instance, ctx, shared, privates)
 
 
-async def _coordinate(
+async def _serve_fanout(
     kind: Any,
     instance: str,
     ctx: ServeContext,
     shared: socket.socket,
     privates: list[socket.socket],
 ) -> None:
-    # An environment episode lives inside one /run, which may land on any worker (D196).
+    # An environment episode lives inside one /run, which may land on any shard (D196).
     placement: Placement = "claim" if kind == "environment" else "slot"
-    coordinator = (
+    fanout = (
         # The model's undelivered calls, restored cuts and ledger import need their own rules.
-        ModelCoordinator(instance, expected=ctx.workers)
+        ModelProcessFanout(instance, expected=ctx.processes)
         if kind == "model"
-        else WorkerCoordinator(kind, instance, expected=ctx.workers, placement=placement)
+        else ProcessFanout(kind, instance, expected=ctx.processes, placement=placement)
     )
-    plane = ControlPlane(coordinator, settings=control_settings(ctx))
+    plane = ControlPlane(fanout, settings=control_settings(ctx))
     path = private_socket_path(instance)
     listener = await listen_private(path)
     peers = ",".join(str(s.getsockname()[1]) for s in privates)
@@ -123,11 +123,11 @@ async def _coordinate(
     def start(slot: int) -> None:
         if slot in lifelines:
             lifelines.pop(slot).cut()
-        lifeline = lifelines[slot] = Lifeline()  # a worker dies with its coordinator (D242)
+        lifeline = lifelines[slot] = Lifeline()  # a shard dies with its main process (D242)
         env = {
             **os.environ,
             **lifeline.env,
-            SOCKET_ENV: str(path),
+            FANOUT_SOCKET_ENV: str(path),
             SLOT_ENV: str(slot),
             SHARED_FD_ENV: str(shared.fileno()),
             PRIVATE_FD_ENV: str(privates[slot].fileno()),
@@ -141,11 +141,11 @@ async def _coordinate(
             pass_fds=(shared.fileno(), privates[slot].fileno(), *lifeline.pass_fds),
         )
         lifeline.started()
-        _log.info("worker.started", participant=instance, slot=slot, pid=processes[slot].pid)
+        _log.info("shard.started", participant=instance, slot=slot, pid=processes[slot].pid)
 
-    async def watch_workers() -> None:
+    async def watch_shards() -> None:
         while not stop.is_set():
-            for slot in range(ctx.workers):
+            for slot in range(ctx.processes):
                 process = processes.get(slot)
                 if process is None or process.poll() is not None:
                     if process is not None:
@@ -156,8 +156,8 @@ async def _coordinate(
 
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with plane.running(), anyio.create_task_group() as group:
-            group.start_soon(coordinator.serve, listener, plane)
-            group.start_soon(watch_workers)
+            group.start_soon(fanout.serve, listener, plane)
+            group.start_soon(watch_shards)
             async for _signal in signals:
                 break
             stop.set()
@@ -185,4 +185,4 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
 
 
-__all__ = ["is_worker_process", "run_coordinator", "run_worker"]
+__all__ = ["is_shard_process", "run_fanout", "run_shard"]

@@ -1,14 +1,14 @@
-"""What a worker does before its app sees a request: relay, route, broadcast, aggregate.
+"""What a shard process does before its app sees a request: relay, route, broadcast, aggregate.
 
 - ``/ng-control/v1/checkpoint/<operation>``: the bearer token is checked here, then the call is
-  relayed to the coordinator, which owns the control plane.
-- ``/ng-rollout/<capture_key>/…`` of a rollout another slot owns: proxied to that worker's private
+  relayed to the fan-out in the main process, which owns the control plane.
+- ``/ng-rollout/<capture_key>/…`` of a rollout another slot owns: proxied to that shard's private
   port, so every request of a rollout meets the state its earlier requests left.
-- ``/close_session`` (named by a cookie only): sent to every other worker too; closing is
+- ``/close_session`` (named by a cookie only): sent to every other shard too; closing is
   idempotent and never refused.
-- ``/metrics``: the coordinator's control-plane families, plus every worker's other families
+- ``/metrics``: the main process's control-plane families, plus every shard's other families
   summed sample by sample.
-- ``/healthz``: 503 until a worker runs in every slot, so "healthy" means a restore can be
+- ``/healthz``: 503 until a shard runs in every slot, so "healthy" means a restore can be
   served (D244); then the app's own answer.
 """
 
@@ -22,7 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from participants import WorkerMember, authorized, error_response, slot_of
+from participants import FanoutShard, authorized, error_response, slot_of
 from protocols import (
     CONTROL_PREFIX,
     CheckpointCoordinatorUnavailableError,
@@ -40,7 +40,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 ROUTED_HEADER: Final = "x-midflight-routed"
-"""Set on a request one worker passes to another: the receiver serves it, never passes it on."""
+"""Set on a request one shard passes to another: the receiver serves it, never passes it on."""
 BROADCAST_PATHS: Final = frozenset({"/close_session"})
 _HOP_HEADERS: Final = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -54,22 +54,22 @@ async def _read_body(receive: Receive) -> bytes:
             return b"".join(chunks)
 
 
-class WorkerRouting:
-    """The ASGI wrapper around a worker's app.
+class ShardRouting:
+    """The ASGI wrapper around a shard process's app.
 
     Args:
         app: The role's app (its own control routes are never reached).
-        member: The worker's connection to the coordinator.
-        slot: This worker's slot.
+        shard: The shard's connection to the fan-out.
+        slot: This shard's slot.
         peers: Every slot's private base URL, in slot order.
         token: The control token; ``None`` leaves control routes uninstalled (404).
     """
 
     def __init__(
-        self, app: ASGIApp, *, member: WorkerMember, slot: int, peers: list[str], token: str | None
+        self, app: ASGIApp, *, shard: FanoutShard, slot: int, peers: list[str], token: str | None
     ) -> None:
         self.app = app
-        self.member = member
+        self.shard = shard
         self.slot = slot
         self.peers = peers
         self.token = token
@@ -114,7 +114,8 @@ class WorkerRouting:
             rollout = EpisodeId.from_capture_key(parts[2]).rollout_id
         except (WireError, ValueError):
             return None  # the app refuses it with its own typed error
-        return slot_of(rollout, len(self.peers))
+        slot: int = slot_of(rollout, len(self.peers))
+        return slot
 
     async def _relay_control(
         self, scope: Scope, receive: Receive, send: Send, headers: dict[str, str]
@@ -125,7 +126,7 @@ class WorkerRouting:
             operation = scope["path"][len(CONTROL_PREFIX) + 1 :]
             body = await _read_body(receive)
             try:
-                reply = await self.member.relay_control(operation, body)
+                reply = await self.shard.relay_control(operation, body)
                 response = JSONResponse(reply)
             except WireError as exc:
                 response = error_response(exc)
@@ -150,7 +151,7 @@ class WorkerRouting:
         except httpx.TransportError as exc:  # a typed, retryable refusal, never a bare 500
             refusal = error_response(
                 CheckpointCoordinatorUnavailableError(
-                    f"worker slot {peer} did not answer the routed request: {exc!r}"[:500]
+                    f"shard {peer} did not answer the routed request: {exc!r}"[:500]
                 )
             )
             await refusal(scope, receive, send)
@@ -175,22 +176,23 @@ class WorkerRouting:
             with anyio.fail_after(30):
                 await self.client.send(self._request(scope, body, peer))
         except (httpx.HTTPError, TimeoutError):
-            pass  # closing is idempotent: a worker that misses it holds nothing of the session
+            pass  # closing is idempotent: a shard that misses it holds nothing of the session
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        health: dict[str, Any]
         try:
-            health = await self.member.health()
+            health = (await self.shard.health()).model_dump()
         except (WireError, RuntimeError) as exc:  # a broken link, or not connected yet
-            health = {"ready": False, "detail": f"the coordinator did not answer: {exc!r}"}
-        if health.get("ready"):
+            health = {"ready": False, "detail": f"the fan-out did not answer: {exc!r}"}
+        if health["ready"]:
             await self.app(scope, receive, send)
             return
         response = JSONResponse({"status": "starting", **health}, status_code=503)
         await response(scope, receive, send)
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
-        texts: list[str] = await self.member.channel.request("metrics", None, within=30.0)
-        response = Response(aggregate_metrics(texts[0], texts[1:]), media_type="text/plain")
+        texts = await self.shard.gather_metrics()
+        response = Response(aggregate_metrics(texts.main, texts.shards), media_type="text/plain")
         await response(scope, receive, send)
 
 
@@ -207,12 +209,12 @@ def _replay(body: bytes) -> Receive:
     return receive
 
 
-def aggregate_metrics(coordinator: str, workers: list[str]) -> str:
-    """One exposition: the coordinator's families as they are, the workers' others summed."""
-    own = {family.name for family in text_string_to_metric_families(coordinator)}
+def aggregate_metrics(main: str, shards: list[str]) -> str:
+    """One exposition: the main process's families as they are, the shards' others summed."""
+    own = {family.name for family in text_string_to_metric_families(main)}
     summed: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
     kinds: dict[str, tuple[str, str]] = {}
-    for text in workers:
+    for text in shards:
         for family in text_string_to_metric_families(text):
             if family.name in own:
                 continue
@@ -223,7 +225,7 @@ def aggregate_metrics(coordinator: str, workers: list[str]) -> str:
                     continue  # a creation time does not add up across processes
                 key = (sample.name, tuple(sorted(sample.labels.items())))
                 samples[key] = samples.get(key, 0.0) + sample.value
-    lines = [coordinator.rstrip("\n")]
+    lines = [main.rstrip("\n")]
     for name in sorted(summed):
         kind, documentation = kinds[name]
         lines.append(f"# HELP {name} {documentation}")
@@ -237,7 +239,7 @@ def aggregate_metrics(coordinator: str, workers: list[str]) -> str:
 
 
 def proxy_client() -> httpx.AsyncClient:
-    """The client a worker proxies other slots' requests with (held calls wait long)."""
+    """The client a shard proxies other slots' requests with (held calls wait long)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
         follow_redirects=False,

@@ -3,7 +3,7 @@
 A server binds its port itself (``--port 0`` picks a free one), listens, and only then prints
 ``listening on http://127.0.0.1:<port>`` on stdout, so a supervisor can read the port and connect
 at once. After that line, everything the server prints goes to stderr (its log). With several
-worker processes the main process binds and hands the work to them (``processes``).
+shard processes the main process binds and hands the work to them (``processes``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import typer
 import uvicorn
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
-from .processes import is_worker_process, run_coordinator, run_worker
+from .processes import is_shard_process, run_fanout, run_shard
 from .sockets import PortInUseError, bind_listening_socket
 
 
@@ -58,13 +58,13 @@ def run_server(app: Any, options: ServeContext | int) -> None:
     """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
-    if isinstance(options, ServeContext) and options.workers > 1:
-        if is_worker_process():
-            run_worker(app, options)
+    if isinstance(options, ServeContext) and options.processes > 1:
+        if is_shard_process():
+            run_shard(app, options)
             return
         warn_if_control_is_off(options)
         try:
-            run_coordinator(app, options)
+            run_fanout(app, options)
         except PortInUseError as exc:
             _refuse_port(exc)
         return

@@ -99,7 +99,7 @@ class ServerProcess:
         # Kill the group even when the leader is gone: a child of it may still hold the port.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        self.lifeline.cut()  # a worker that left the group still goes
+        self.lifeline.cut()  # a shard process that left the group still goes
         self.process.wait(timeout=30)
         if self.process.stdout is not None:
             self.process.stdout.close()

@@ -34,7 +34,8 @@ class ServeContext:
     cluster: Cluster
     control_token: str | None
     capture_token: str | None
-    workers: int = 1
+    processes: int = 1
+    """``--processes``: how many shard processes serve behind the one port (1: no fan-out)."""
     checkpoint_root: Path | None = None
 
     @property
@@ -53,7 +54,7 @@ def serve_options_from(
     port: int,
     cluster: Path | None,
     root: Path | None,
-    workers: int = 1,
+    processes: int = 1,
     checkpoint_root: Path | None = None,
 ) -> ServeContext:
     """Resolve the shared options of ``serve <role>``."""
@@ -68,7 +69,7 @@ def serve_options_from(
         cluster=parsed if parsed is not None else default_cluster(run_root),
         control_token=control,
         capture_token=capture,
-        workers=workers,
+        processes=processes,
         checkpoint_root=None if checkpoint_root is None else checkpoint_root.resolve(),
     )
 

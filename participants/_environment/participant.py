@@ -91,7 +91,7 @@ class EnvironmentParticipant(BaseParticipant):
         self.digests: dict[str, str] = {}
         self.restored: dict[str, EnvironmentRecord] = {}
         self.claim_restored: Callable[[str], Awaitable[bool]] | None = None
-        """Set by a worker of a several-worker server: asks the coordinator for a restored key."""
+        """Set by a shard of a server with several processes: asks the fan-out for a restored key."""
         self.awaiting_resume = False
         self.served = False
         self._task_group: TaskGroup | None = None
@@ -130,7 +130,7 @@ class EnvironmentParticipant(BaseParticipant):
         return outcome[0]
 
     async def _claim(self, key: str) -> None:
-        """With several workers, every one holds the restored records: one claim wins each."""
+        """With several processes, every shard holds the restored records: one claim wins each."""
         if self.claim_restored is None or key not in self.restored:
             return
         if not await self.claim_restored(key):

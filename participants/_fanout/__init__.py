@@ -1,1 +1,1 @@
-"""Servers with several worker processes: the fan-out participant, its members and their channel."""
+"""Servers with several processes: the fan-out in the main process, its shards and their channel."""

@@ -1,33 +1,51 @@
-"""The private channel between a server's coordinator and its worker processes.
+"""The private channel between a server's main process and its shard processes.
 
-One Unix-socket connection per worker carries requests and replies in both directions. A frame is
-a 4-byte big-endian length followed by compact JSON, at most :data:`FRAME_MAX_BYTES`. A request is
-``{"id", "kind", "body"}``; its reply ``{"reply_to", "ok": true, "body"}`` or ``{"reply_to",
-"ok": false, "error": {"status", "code", "detail"}}``, so a typed error crosses the channel with its
-status and code. Every wait for a reply has a deadline.
+One Unix-socket connection per shard carries requests and replies in both directions. A frame is
+a 4-byte big-endian length followed by compact JSON, at most :data:`FRAME_MAX_BYTES`, and is one
+of the models of :mod:`.messages`: a request ``{"frame": "request", "id", "message"}`` (the message
+tagged by ``kind``), its reply ``{"frame": "reply", "reply_to", "body"}`` or ``{"frame": "error",
+"reply_to", "error": {"status", "code", "detail"}}``, so a typed error crosses the channel with its
+status and code.
+
+Everything is checked where it arrives: a request whose message is unknown or malformed is
+answered with ``invalid_request`` and the connection goes on; a reply that is not what its request
+names is an ``internal_error`` for the waiting caller. Every wait for a reply has a deadline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import stat
-import struct
-import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar, cast
 
 import anyio
 import structlog
-from anyio.abc import ByteStream, SocketListener
+from anyio.abc import ByteStream
 from anyio.streams.buffered import BufferedByteReceiveStream
+from pydantic import TypeAdapter, ValidationError
+from pydantic_core import PydanticSerializationError
 
 from protocols import (
     CheckpointCoordinatorUnavailableError,
+    InternalError,
     InvalidCheckpointStateError,
+    InvalidRequestError,
     WireError,
     error_from_envelope,
+)
+
+from .messages import (
+    FRAMES,
+    Ask,
+    ErrorBody,
+    ErrorFrame,
+    Message,
+    ReplyFrame,
+    RequestFrame,
+    describe,
+    reply_adapter,
 )
 
 FRAME_MAX_BYTES: Final = 64 * 1024 * 1024
@@ -36,29 +54,57 @@ MESSAGE_TIMEOUT_SECONDS: Final = 30.0
 """How long a light message (close, open, marks, report …) waits for its reply."""
 REPLY_GRACE_SECONDS: Final = 10.0
 """How long past a control call's own deadline its relayed reply is waited for."""
-SOCKET_ENV: Final = "MIDFLIGHT_WORKER_SOCKET"
-"""The environment variable naming the coordinator's socket path in every worker."""
+FANOUT_SOCKET_ENV: Final = "MIDFLIGHT_FANOUT_SOCKET"
+"""The environment variable naming the fan-out's socket path in every shard process."""
 
-Handler = Callable[[str, Any], Awaitable[Any]]
-"""Answers one request: ``(kind, body) -> reply body``; raises a ``WireError`` to refuse."""
+ReplyT = TypeVar("ReplyT")
+MessageT = TypeVar("MessageT", bound=Ask[Any])
+Handler = Callable[[Any], Awaitable[Any]]
+"""Answers one message with its reply; raises a ``WireError`` to refuse."""
 
-_log = structlog.get_logger("midflight.workers")
-_HEADER = struct.Struct(">I")
+_log = structlog.get_logger("midflight.fanout")
+_HEADER_BYTES: Final = 4
+
+
+class Dispatch:
+    """What one end of the channel answers: message type → handler.
+
+    Built once per connection with :meth:`on`; a message with no entry is refused
+    (``invalid_request``), never guessed at.
+    """
+
+    def __init__(self) -> None:
+        self._handlers: dict[type[Ask[Any]], Handler] = {}
+
+    def on(self, kind: type[MessageT], handler: Callable[[MessageT], Awaitable[Any]]) -> Dispatch:
+        """Answer ``kind`` with ``handler`` (its reply is checked by the asking end)."""
+        self._handlers[kind] = handler
+        return self
+
+    def kinds(self) -> frozenset[type[Ask[Any]]]:
+        """Every message type this end answers."""
+        return frozenset(self._handlers)
+
+    def handler(self, kind: type[Ask[Any]]) -> Handler | None:
+        """The handler of ``kind``, if this end answers it."""
+        return self._handlers.get(kind)
 
 
 class _Pending:
-    def __init__(self) -> None:
+    def __init__(self, reply: TypeAdapter[Any], kind: str) -> None:
+        self.reply = reply
+        self.kind = kind
         self.done = anyio.Event()
         self.body: Any = None
         self.error: WireError | None = None
 
 
 class Channel:
-    """One end of a worker connection.
+    """One end of a shard connection.
 
     Args:
         stream: The connected Unix socket stream.
-        peer: How log lines and errors name the other end (``worker 1234``, ``coordinator``).
+        peer: How log lines and errors name the other end (``shard 1234``, ``the fan-out``).
     """
 
     def __init__(self, stream: ByteStream, *, peer: str) -> None:
@@ -70,39 +116,39 @@ class Channel:
         self._waiting: dict[int, _Pending] = {}
         self.closed = anyio.Event()
 
-    async def _send(self, message: dict[str, Any]) -> None:
-        data = json.dumps(message, separators=(",", ":")).encode()
+    async def _send(self, frame: RequestFrame | ReplyFrame | ErrorFrame) -> None:
+        data = FRAMES.dump_json(frame)
         if len(data) > FRAME_MAX_BYTES:
             raise InvalidCheckpointStateError(
                 f"a {len(data)}-byte message to {self.peer} exceeds the {FRAME_MAX_BYTES}-byte frame"
             )
         async with self._send_lock:
-            await self._stream.send(_HEADER.pack(len(data)) + data)
+            await self._stream.send(len(data).to_bytes(_HEADER_BYTES, "big") + data)
 
-    async def _receive(self) -> dict[str, Any]:
-        (length,) = _HEADER.unpack(await self._reader.receive_exactly(_HEADER.size))
+    async def _receive(self) -> bytes:
+        length = int.from_bytes(await self._reader.receive_exactly(_HEADER_BYTES), "big")
         if length > FRAME_MAX_BYTES:
+            # The stream cannot be trusted past a length this wrong: the connection ends.
             raise ValueError(f"{self.peer} sent a {length}-byte frame (limit {FRAME_MAX_BYTES})")
-        message = json.loads(await self._reader.receive_exactly(length))
-        if not isinstance(message, dict):
-            raise ValueError(f"{self.peer} sent a frame that is not a JSON object")
-        return message
+        return await self._reader.receive_exactly(length)
 
-    async def request(self, kind: str, body: Any = None, *, within: float) -> Any:
-        """Send one request and wait, at most ``within`` seconds, for its reply body.
+    async def request(self, message: Ask[ReplyT], *, within: float) -> ReplyT:
+        """Send one message and wait, at most ``within`` seconds, for its checked reply.
 
         Raises:
             CheckpointCoordinatorUnavailableError: The channel closed or no reply came in time.
+            InternalError: The reply is not what the message names.
             WireError: The other end refused, with its own code.
         """
+        kind = message.kind
         if self.closed.is_set():
             raise CheckpointCoordinatorUnavailableError(f"the channel to {self.peer} is closed")
         self._next_id += 1
         request_id = self._next_id
-        pending = _Pending()
+        pending = _Pending(reply_adapter(type(message)), kind)
         self._waiting[request_id] = pending
         try:
-            await self._send({"id": request_id, "kind": kind, "body": body})
+            await self._send(RequestFrame(id=request_id, message=cast(Message, message)))
             with anyio.move_on_after(max(within, 0.0)):
                 await pending.done.wait()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -117,9 +163,9 @@ class Channel:
             )
         if pending.error is not None:
             raise pending.error
-        return pending.body
+        return cast(ReplyT, pending.body)
 
-    async def serve(self, handler: Handler) -> None:
+    async def serve(self, dispatch: Dispatch) -> None:
         """Read frames until the other end goes away; answer requests, resolve replies.
 
         Requests are answered concurrently (a retire that waits must not stop a marks message).
@@ -129,7 +175,7 @@ class Channel:
             async with anyio.create_task_group() as group:
                 while True:
                     try:
-                        message = await self._receive()
+                        data = await self._receive()
                     except (
                         anyio.EndOfStream,
                         anyio.IncompleteRead,
@@ -140,10 +186,15 @@ class Channel:
                     ):
                         group.cancel_scope.cancel()
                         break
-                    if "reply_to" in message:
-                        self._resolve(message)
+                    try:
+                        frame = FRAMES.validate_json(data)
+                    except ValidationError as exc:
+                        group.start_soon(self._refuse_malformed, data, exc)
+                        continue
+                    if isinstance(frame, RequestFrame):
+                        group.start_soon(self._answer, dispatch, frame)
                     else:
-                        group.start_soon(self._answer, handler, message)
+                        self._resolve(frame)
         finally:
             self.closed.set()
             for pending in self._waiting.values():
@@ -152,130 +203,88 @@ class Channel:
             with anyio.CancelScope(shield=True):
                 await self._stream.aclose()
 
-    def _resolve(self, message: dict[str, Any]) -> None:
-        pending = self._waiting.get(message.get("reply_to", -1))
+    def _resolve(self, frame: ReplyFrame | ErrorFrame) -> None:
+        pending = self._waiting.get(frame.reply_to)
         if pending is None:
             return  # the waiter gave up already
-        if message.get("ok"):
-            pending.body = message.get("body")
-        else:
-            error = message.get("error") or {}
+        if isinstance(frame, ErrorFrame):
+            error = frame.error
             pending.error = error_from_envelope(
-                int(error.get("status", 500)),
-                {"error": {"code": error.get("code"), "detail": error.get("detail", "")}},
+                error.status, {"error": {"code": error.code, "detail": error.detail}}
             )
+        else:
+            try:
+                # Strict: the reply is exactly what the message names (``"yes"`` is no bool).
+                pending.body = pending.reply.validate_python(frame.body, strict=True)
+            except ValidationError as exc:
+                pending.error = InternalError(
+                    f"{self.peer} answered {pending.kind} with a malformed reply: {describe(exc)}"
+                )
         pending.done.set()
 
-    async def _answer(self, handler: Handler, message: dict[str, Any]) -> None:
-        request_id = message.get("id")
+    async def _refuse_malformed(self, data: bytes, exc: ValidationError) -> None:
+        """A frame the models do not describe: a typed refusal if it can be addressed."""
         try:
-            body = await handler(str(message.get("kind")), message.get("body"))
-            reply: dict[str, Any] = {"reply_to": request_id, "ok": True, "body": body}
+            raw = json.loads(data)
+        except ValueError:
+            raw = None
+        detail = f"a malformed message from {self.peer}: {describe(exc)}"[:2000]
+        request_id = raw.get("id") if isinstance(raw, dict) else None
+        reply_to = raw.get("reply_to") if isinstance(raw, dict) else None
+        _log.warning("fanout.malformed_frame", peer=self.peer, detail=detail)
+        if isinstance(raw, dict) and raw.get("frame") == "request" and type(request_id) is int:
+            await self._send_quietly(
+                ErrorFrame(reply_to=request_id, error=_error_body(InvalidRequestError(detail)))
+            )
+        elif type(reply_to) is int and (pending := self._waiting.get(reply_to)) is not None:
+            pending.error = InternalError(detail)
+            pending.done.set()
+
+    async def _answer(self, dispatch: Dispatch, frame: RequestFrame) -> None:
+        message = frame.message
+        handler = dispatch.handler(type(message))
+        reply: ReplyFrame | ErrorFrame
+        try:
+            if handler is None:
+                raise InvalidRequestError(
+                    f"{message.kind} is not answered here ({self.peer} sent it)"
+                )
+            reply = ReplyFrame(reply_to=frame.id, body=await handler(message))
         except WireError as exc:
-            reply = {"reply_to": request_id, "ok": False, "error": _error_body(exc)}
+            reply = ErrorFrame(reply_to=frame.id, error=_error_body(exc))
         except Exception as exc:
-            _log.exception("workers.handler_failed", kind=message.get("kind"), peer=self.peer)
-            reply = {
-                "reply_to": request_id,
-                "ok": False,
-                "error": {"status": 500, "code": "internal_error", "detail": type(exc).__name__},
-            }
+            _log.exception("fanout.handler_failed", kind=message.kind, peer=self.peer)
+            reply = ErrorFrame(
+                reply_to=frame.id,
+                error=ErrorBody(status=500, code="internal_error", detail=type(exc).__name__),
+            )
         try:
             await self._send(reply)
         except WireError as exc:  # the reply itself cannot be framed
-            await self._send({"reply_to": request_id, "ok": False, "error": _error_body(exc)})
+            await self._send_quietly(ErrorFrame(reply_to=frame.id, error=_error_body(exc)))
+        except PydanticSerializationError:  # a handler returned what JSON cannot carry
+            _log.exception("fanout.reply_unserializable", kind=message.kind, peer=self.peer)
+            refusal = InternalError(f"the reply to {message.kind} cannot be written as JSON")
+            await self._send_quietly(ErrorFrame(reply_to=frame.id, error=_error_body(refusal)))
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the other end is gone; its waiters fail on their side
+
+    async def _send_quietly(self, frame: ErrorFrame) -> None:
+        # The other end may be gone; its waiters fail on their side.
+        with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            await self._send(frame)
 
     async def aclose(self) -> None:
         """Close the connection (the other end sees end of stream)."""
         await self._stream.aclose()
 
 
-def _error_body(exc: WireError) -> dict[str, Any]:
-    return {"status": exc.http_status, "code": exc.code, "detail": exc.detail}
+def _error_body(exc: WireError) -> ErrorBody:
+    return ErrorBody(status=exc.http_status, code=exc.code, detail=exc.detail)
 
 
-SOCKET_OWNER_FILE: Final = "owner"
-"""In a socket directory: ``<pid> <start time>`` of the process that made it (D243)."""
-
-
-def _start_time(pid: int) -> str | None:
-    """When ``pid`` started, in clock ticks since boot (Linux); ``None`` when unknown."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def _owner_is_dead(owner: str) -> bool:
-    try:
-        pid_text, started = owner.split()
-        pid = int(pid_text)
-    except ValueError:
-        return False  # not ours to judge: leave it
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False  # alive, and someone else's
-    now = _start_time(pid)
-    if now is None:  # a zombie holds nothing; without /proc, os.kill's answer is all we have
-        return Path("/proc/self/stat").exists()
-    return started != "-" and now != started  # another start time: the pid was reused
-
-
-def remove_stale_socket_dirs(name: str, *, base: Path | None = None) -> list[Path]:
-    """Remove the socket directories of server ``name`` whose owner process is dead.
-
-    A SIGKILLed coordinator never removes its directory; the next start of the same server does.
-    Only directories of this user with an owner file naming a dead process are touched.
-
-    Returns:
-        The directories removed.
-    """
-    removed = []
-    for directory in Path(base or tempfile.gettempdir()).glob(f"midflight-{name}-*"):
-        try:
-            if directory.is_symlink() or directory.stat().st_uid != os.getuid():
-                continue
-            owner = (directory / SOCKET_OWNER_FILE).read_text()
-        except OSError:
-            continue  # gone meanwhile, not a directory, or made before owner files existed
-        if _owner_is_dead(owner):
-            for entry in directory.iterdir():
-                entry.unlink(missing_ok=True)
-            directory.rmdir()
-            removed.append(directory)
-    if removed:
-        _log.info("socket_dirs.removed", server=name, directories=[str(d) for d in removed])
-    return removed
-
-
-def private_socket_path(name: str, *, base: Path | None = None) -> Path:
-    """A fresh socket path in a new 0700 directory, so only this user can reach it.
-
-    Directories a dead coordinator of the same name left behind are removed first; the new one
-    names this process as its owner.
-    """
-    remove_stale_socket_dirs(name, base=base)
-    directory = Path(tempfile.mkdtemp(prefix=f"midflight-{name}-", dir=base))
-    started = _start_time(os.getpid()) or "-"
-    (directory / SOCKET_OWNER_FILE).write_text(f"{os.getpid()} {started}\n")
-    return directory / "coordinator.sock"
-
-
-async def listen_private(path: Path) -> SocketListener:
-    """Listen on ``path`` and make the socket readable and writable by its owner only (0600)."""
-    listener = await anyio.create_unix_listener(path)
-    os.chmod(path, stat.S_IRUSR | stat.S_IWUSR)
-    return listener
-
-
-async def connect(path: Path | str, *, peer: str = "coordinator") -> Channel:
-    """Connect to the coordinator's socket (bounded by the message timeout)."""
+async def connect(path: Path | str, *, peer: str = "the fan-out") -> Channel:
+    """Connect to the fan-out's socket (bounded by the message timeout)."""
     with anyio.fail_after(MESSAGE_TIMEOUT_SECONDS):
         stream = await anyio.connect_unix(path)
     return Channel(stream, peer=peer)

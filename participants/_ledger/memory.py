@@ -1,6 +1,6 @@
 """The in-memory capture ledger: the file ledger's observable semantics, for one process.
 
-Valid only for a model server with a single worker process (nothing is shared across
+Valid only for a model server that runs as a single process (nothing is shared across
 processes) and for tests. Rows are kept whole; there is no cache to bound.
 """
 

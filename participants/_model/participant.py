@@ -47,8 +47,8 @@ from .gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
 from .records import attempt_keys_through, checked_restore, model_commit_reply
 
 CLAIM_RETRY_SECONDS: Final = 0.05
-"""Pause before claiming a restored cut again while the coordinator is closed but not yet this
-worker."""
+"""Pause before claiming a restored cut again while the fan-out is closed but not yet this
+shard."""
 
 EXPORT_BATCH: Final = 512
 """Ledgers an export reads per worker-thread hop: one hop per episode cost more than the reads."""
@@ -111,11 +111,11 @@ class ModelParticipant(BaseParticipant):
         self.cut_counts: dict[str, int] = {}
         self.cut_telemetry = GenerationCutTelemetry(instance, registry)
         self.served = False
-        # Set by a WorkerMember when this is one worker of several: the coordinator holds the
+        # Set by a FanoutShard when this is one shard process of several: the fan-out holds the
         # restored cuts, and a call claims its own before continuing it.
         self.claim_cut: Callable[[str, str], Awaitable[dict[str, Any] | None]] | None = None
         self.return_cut: Callable[[str, dict[str, Any]], Awaitable[None]] | None = None
-        self.restored_cut_keys: set[str] = set()  # target keys whose cut the coordinator holds
+        self.restored_cut_keys: set[str] = set()  # target keys whose cut the fan-out holds
 
     # -- data plane -----------------------------------------------------------------------
 
@@ -296,12 +296,12 @@ class ModelParticipant(BaseParticipant):
         except ValueError as exc:
             raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
 
-    # -- one worker of several (the coordinator is participants._model.fanout) -----------
+    # -- one shard process of several (the fan-out is participants._model.fanout) -------
 
     async def prefetch_restored_cut(self, ticket: ModelTicket) -> None:
-        """Claim from the coordinator the restored cut this call's request continues, if any.
+        """Claim from the fan-out the restored cut this call's request continues, if any.
 
-        Exactly one worker gets a cut: the coordinator hands it to the first matching claim.
+        Exactly one shard gets a cut: the fan-out hands it to the first matching claim.
         """
         if self.claim_cut is None or ticket.episode is None or "ignore-cuts" in self.faults:
             return
@@ -309,7 +309,7 @@ class ModelParticipant(BaseParticipant):
             return
         key = ticket.episode.capture_key
         if key not in self.restored_cut_keys or key in self.restored_cuts.records:
-            return  # no cut was restored for it, or this worker holds it already
+            return  # no cut was restored for it, or this shard holds it already
         record = None
         # Bounded like a waiting admission; on timeout the call regenerates, never fails.
         with anyio.move_on_after(self.gate.admission_wait_seconds):
@@ -319,7 +319,7 @@ class ModelParticipant(BaseParticipant):
                     break
                 except AdmissionClosedError:
                     # A checkpoint is open: no cut moves until resume (the export carries it),
-                    # so wait like a new call; the coordinator may close before this worker does.
+                    # so wait like a new call; the fan-out may close before this shard does.
                     if self.gate.accepting:
                         await anyio.sleep(CLAIM_RETRY_SECONDS)
                     else:
@@ -340,10 +340,10 @@ class ModelParticipant(BaseParticipant):
         await self.return_cut(key, record.model_dump(mode="json"))
 
     async def export_share(self, episode_ids: Sequence[EpisodeId] | None) -> dict[str, Any]:
-        """This worker's share of a commit: rows, undelivered call ids, cuts with admission time.
+        """This shard's share of a commit: rows, undelivered call ids, cuts with admission time.
 
-        Every worker reads the one ledger directory, so a row of a call held on another worker
-        is in this share too: the coordinator leaves out the union of undelivered ids.
+        Every shard reads the one ledger directory, so a row of a call held on another shard is
+        in this share too: the fan-out leaves out the union of undelivered ids.
 
         Raises:
             CheckpointError: No scope was given.
@@ -370,8 +370,8 @@ class ModelParticipant(BaseParticipant):
     async def install_share(
         self, records: Sequence[Record], scope: Sequence[EpisodeId], options: dict[str, Any]
     ) -> None:
-        """One worker's part of a restore: ``options["import"]`` imports the ledger (one worker
-        only: the directory is shared); every worker waits for ``options["targets"]``.
+        """One shard's part of a restore: ``options["import"]`` imports the ledger (one shard
+        only: the directory is shared); every shard waits for ``options["targets"]``.
 
         Raises:
             CheckpointError: This process has served calls, or the ledger refused the rows.
@@ -379,7 +379,7 @@ class ModelParticipant(BaseParticipant):
         """
         self._refuse_restore_if_served()
         if options["import"]:
-            ledgers, _cuts = checked_restore(records, scope)  # the cuts stay with the coordinator
+            ledgers, _cuts = checked_restore(records, scope)  # the cuts stay with the fan-out
             await self._import_ledgers(ledgers)
             await self._retire_ledgers(list(scope))
         self.restored_targets = {str(key) for key in options["targets"]}

@@ -3,8 +3,8 @@
 A record is ``{"episode_id", "rows", "generation_cuts"}``. A restore imports each record's rows
 as the ledger of the episode's next attempt, stamped with the capture key they were staged under,
 and gives every scoped episode a ledger (empty without a record), so what a dead execution wrote
-under that next attempt is cleared. Shared by the single-process participant and by the
-coordinator of a several-worker model server, which validates before any worker changes anything.
+under that next attempt is cleared. Shared by the single-process participant and by the fan-out
+of a model server with several processes, which validates before any shard changes anything.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 The runtime owns phases, lease, replay, storage and retire marks; a participant owns its live
 work. The runtime reaches the participant only through :class:`Participant`, so a server with
-several worker processes can later put a fan-out proxy behind it without touching the runtime.
+several processes puts a fan-out (:class:`~participants.ProcessFanout`) behind it without
+touching the runtime.
 :class:`BaseParticipant` gives every optional hook its neutral default.
 """
 
@@ -114,7 +115,7 @@ class Participant(Protocol):
         ...
 
     async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
-        """The marks of these attempts were raised (propagate to workers if any)."""
+        """The marks of these attempts were raised (propagate to shard processes if any)."""
         ...
 
     async def forget(self, rollout_ids: Sequence[str]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import typer
 from typer.testing import CliRunner
 
 from e2e._cli.app import build_app
@@ -74,3 +75,20 @@ def test_a_used_keep_dir_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
 )
 def test_unknown_names_are_one_line_usage_errors(args: list[str], said: str) -> None:
     assert said in _refused(*args)
+
+
+@pytest.mark.parametrize("flag", ["--processes", "--workers"])
+def test_processes_and_its_older_name_workers_run_the_same_drill(
+    flag: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ran: list[object] = []
+
+    def run_drill(options: object, *args: object, **kwargs: object) -> None:
+        ran.append(options)
+        raise typer.Exit(0)
+
+    monkeypatch.setattr("e2e._cli.drill.run_drill", run_drill)
+    args = ["drill", flag, "2", "--json", "--keep-dir", str(tmp_path / "run")]
+    result = CliRunner().invoke(build_app(), args)
+    assert result.exit_code == 0, result.output
+    assert [getattr(options, "processes", None) for options in ran] == [2]

@@ -1,7 +1,7 @@
 """Every process the harness starts dies with the process that started it (D242), as processes.
 
-A harness process starts real servers (one with two worker processes) and is SIGKILLed: every
-server and worker must be gone soon after. SIGTERM and SIGHUP to a harness command clean up as
+A harness process starts real servers (one with two shard processes) and is SIGKILLed: every
+server and shard must be gone soon after. SIGTERM and SIGHUP to a harness command clean up as
 Ctrl-C does.
 """
 
@@ -90,12 +90,12 @@ def _wait_gone(pids: list[int], within: float = 20.0) -> list[int]:
     return [pid for pid in pids if _running(pid)]
 
 
-def test_servers_and_their_workers_die_when_the_harness_is_sigkilled(tmp_path: Path) -> None:
+def test_servers_and_their_shards_die_when_the_harness_is_sigkilled(tmp_path: Path) -> None:
     process, servers = _harness(tmp_path, "worker,resources")
     try:
         deadline = time.monotonic() + 30
-        while len(members := _group_members(servers)) < len(servers) + 2:  # + two workers
-            assert time.monotonic() < deadline, f"the workers never started: {members}"
+        while len(members := _group_members(servers)) < len(servers) + 2:  # + two shards
+            assert time.monotonic() < deadline, f"the shards never started: {members}"
             time.sleep(0.1)
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=10)

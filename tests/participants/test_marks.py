@@ -23,7 +23,7 @@ def test_a_fence_refuses_like_a_mark_but_is_counted_apart() -> None:
         marks.check(ep("r", 1))
     with pytest.raises(StaleAttemptError, match="was retired"):
         marks.check(ep("s", 0))
-    assert marks.snapshot() == {"r": 1, "s": 0}  # what a worker process must refuse
+    assert marks.snapshot() == {"r": 1, "s": 0}  # what a shard process must refuse
 
 
 def test_a_retire_that_reaches_the_fence_takes_it_over() -> None:

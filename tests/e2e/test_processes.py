@@ -1,7 +1,7 @@
-"""Servers with several worker processes, as real processes: one participant, whatever its workers.
+"""Servers with several processes, as real processes: one participant, whatever its shards.
 
-A ``serve resources --workers 2`` server, a worker SIGKILLed while a checkpoint is open, the
-process group killed whole, ``/metrics`` summed over workers, and a small drill with two workers
+A ``serve resources --processes 2`` server, a shard SIGKILLed while a checkpoint is open, the
+process group killed whole, ``/metrics`` summed over shards, and a small drill with two processes
 per server.
 """
 
@@ -27,7 +27,7 @@ from participants import slot_of
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
-TOKEN = "workers-test-token"
+TOKEN = "fanout-test-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
 
 
@@ -55,9 +55,9 @@ def _wait(condition: Any, what: str, within: float = 30.0) -> Any:
 def server(tmp_path: Path) -> Iterator[tuple[ServerProcess, Path]]:
     log = tmp_path / "resources.log"
     argv = [sys.executable, "-m", "e2e", "serve", "resources", "--port", "0"]
-    argv += ["--root", str(tmp_path / "run"), "--workers", "2"]
+    argv += ["--root", str(tmp_path / "run"), "--processes", "2"]
     with ServerProcess(argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=log) as process:
-        _wait(lambda: len(_events(log, "worker.joined")) >= 2, "two workers to join")
+        _wait(lambda: len(_events(log, "shard.joined")) >= 2, "two shards to join")
         yield process, log
 
 
@@ -70,9 +70,9 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def _socket_dir(worker_pid: int) -> Path:
-    environ = Path(f"/proc/{worker_pid}/environ").read_bytes().split(b"\0")
-    named = [v for v in environ if v.startswith(b"MIDFLIGHT_WORKER_SOCKET=")]
+def _socket_dir(shard_pid: int) -> Path:
+    environ = Path(f"/proc/{shard_pid}/environ").read_bytes().split(b"\0")
+    named = [v for v in environ if v.startswith(b"MIDFLIGHT_FANOUT_SOCKET=")]
     return Path(named[0].split(b"=", 1)[1].decode()).parent
 
 
@@ -85,7 +85,7 @@ def _rollouts_on_both_slots() -> list[str]:
     return by_slot[0] + by_slot[1]
 
 
-def test_metrics_sum_every_worker_and_sessions_route_to_their_worker(
+def test_metrics_sum_every_shard_and_sessions_route_to_their_shard(
     server: tuple[ServerProcess, Path],
 ) -> None:
     process, _log = server
@@ -104,18 +104,18 @@ def test_metrics_sum_every_worker_and_sessions_route_to_their_worker(
         assert status["report"]["counts"]["workers"] == 2
 
 
-def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_whole(
+def test_a_shard_killed_while_closed_blocks_until_resume_and_the_group_dies_whole(
     server: tuple[ServerProcess, Path],
 ) -> None:
     process, log = server
-    pids = [event["pid"] for event in _events(log, "worker.joined")]
+    pids = [event["pid"] for event in _events(log, "shard.joined")]
     deadline = time.time() + 60
     body = {"checkpoint_id": "ck-1", "deadline_ts": deadline}
     with httpx.Client(base_url=process.url, timeout=90) as client:
         prepared = client.post("/ng-control/v1/checkpoint/prepare", json=body, headers=AUTH)
         assert prepared.json()["phase"] == "prepared", prepared.text
         os.kill(pids[0], signal.SIGKILL)
-        lost = _wait(lambda: _events(log, "worker.lost"), "the lost worker's warning")
+        lost = _wait(lambda: _events(log, "shard.lost"), "the lost shard's warning")
         assert lost[0]["pid"] == pids[0] and lost[0]["level"] == "warning"
         assert lost[0]["open_checkpoint_can_commit"] is False
 
@@ -123,19 +123,19 @@ def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_who
             reply = client.get("/ng-control/v1/checkpoint/status", headers=AUTH)
             return list(reply.json()["report"]["blockers"])
 
-        assert "resources-worker-lost" in _wait(blockers, "the lost-worker blocker")
+        assert "resources-worker-lost" in _wait(blockers, "the lost-shard blocker")
         # The replacement joins closed and reports, yet the lost share still blocks the commit.
-        _wait(lambda: len(_events(log, "worker.joined")) >= 3, "a replacement worker")
+        _wait(lambda: len(_events(log, "shard.joined")) >= 3, "a replacement shard")
         assert "resources-worker-lost" in blockers()
         resumed = client.post("/ng-control/v1/checkpoint/resume", json=body, headers=AUTH)
         assert resumed.status_code == 200, resumed.text
         assert blockers() == []
     port = int(process.url.rsplit(":", 1)[1])
-    workers = [event["pid"] for event in _events(log, "worker.joined")]
-    socket_dir = _socket_dir(workers[-1])
+    shards = [event["pid"] for event in _events(log, "shard.joined")]
+    socket_dir = _socket_dir(shards[-1])
     process.kill()
-    for pid in workers:  # SIGKILL of the group left no worker behind
-        _wait(lambda pid=pid: not _running(pid), f"worker {pid} to die")
+    for pid in shards:  # SIGKILL of the group left no shard behind
+        _wait(lambda pid=pid: not _running(pid), f"shard {pid} to die")
     assert socket_dir.exists()  # nobody removes it under SIGKILL ...
     with ServerProcess(process.argv, env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}, log_path=log):
         # ... so the next start of the same server does (D243)
@@ -147,24 +147,24 @@ def test_a_worker_killed_while_closed_blocks_until_resume_and_the_group_dies_who
         probe.bind(("127.0.0.1", port))  # nobody holds the port any more
 
 
-def test_metrics_of_the_coordinator_are_kept_and_the_workers_summed() -> None:
-    coordinator = "# HELP midflight_phase x\n# TYPE midflight_phase gauge\nmidflight_phase 2.0\n"
-    worker = (
+def test_metrics_of_the_main_process_are_kept_and_the_shards_summed() -> None:
+    main = "# HELP midflight_phase x\n# TYPE midflight_phase gauge\nmidflight_phase 2.0\n"
+    shard = (
         "# HELP midflight_phase x\n# TYPE midflight_phase gauge\nmidflight_phase 0.0\n"
         '# HELP hits h\n# TYPE hits counter\nhits_total{route="a"} 2.0\n'
     )
-    merged = aggregate_metrics(coordinator, [worker, worker.replace("2.0", "3.0")])
+    merged = aggregate_metrics(main, [shard, shard.replace("2.0", "3.0")])
     assert "midflight_phase 2.0" in merged and "midflight_phase 0.0" not in merged
     assert 'hits_total{route="a"} 5.0' in merged
 
 
 @pytest.mark.timeout(420)  # like test_drill.py: a loaded 2-core machine takes several times longer
-def test_the_drill_with_two_workers_per_server_is_green(tmp_path: Path) -> None:
+def test_the_drill_with_two_processes_per_server_is_green(tmp_path: Path) -> None:
     completed = subprocess.run(
         [
             *(sys.executable, "-m", "e2e", "drill", "--json", "--keep-dir", str(tmp_path)),
             *("--rollouts", "2", "--checkpoints", "3", "--crashes", "2", "--concurrency", "2"),
-            *("--restart-only-share", "0", "--workers", "2"),
+            *("--restart-only-share", "0", "--processes", "2"),
         ],
         capture_output=True,
         text=True,
@@ -174,13 +174,13 @@ def test_the_drill_with_two_workers_per_server_is_green(tmp_path: Path) -> None:
     assert completed.stdout.strip(), completed.stderr[-3000:]
     figures = json.loads(completed.stdout.strip().splitlines()[-1])
     assert completed.returncode == 0, figures
-    joined = _events(tmp_path / "run" / "logs" / "resources-1.log", "worker.joined")
-    assert len(joined) == 2  # the restarted resources server really ran two workers
-    policy = _events(tmp_path / "run" / "logs" / "policy-0.log", "worker.joined")
+    joined = _events(tmp_path / "run" / "logs" / "resources-1.log", "shard.joined")
+    assert len(joined) == 2  # the restarted resources server really ran two shards
+    policy = _events(tmp_path / "run" / "logs" / "policy-0.log", "shard.joined")
     assert len(policy) == 2  # and so did the policy server (D216)
 
 
-def test_a_fresh_server_is_healthy_only_with_every_worker_and_restores_at_once(
+def test_a_fresh_server_is_healthy_only_with_every_shard_and_restores_at_once(
     server: tuple[ServerProcess, Path], tmp_path: Path
 ) -> None:
     process, _log = server
@@ -206,7 +206,7 @@ def test_a_fresh_server_is_healthy_only_with_every_worker_and_restores_at_once(
     ):
         health = _wait(lambda: (r := client.get("/healthz")).status_code == 200 and r, "health")
         assert health.json()["status"] == "ok"
-        # Healthy means every worker joined: a restore sent now is served, not refused (D244).
+        # Healthy means every shard joined: a restore sent now is served, not refused (D244).
         status = client.get("/ng-control/v1/checkpoint/status", headers=AUTH).json()
         assert status["report"]["counts"]["workers"] == 2
         restore = {

@@ -1,4 +1,4 @@
-"""Socket directories of the worker channel: private, and cleaned up after a dead owner (D243)."""
+"""Socket directories of the fan-out channel: private, and cleaned up after a dead owner (D243)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def _dead_pid() -> int:
 def _left_behind(base: Path, name: str, owner: str, suffix: str = "abcd1234") -> Path:
     directory = base / f"midflight-{name}-{suffix}"
     directory.mkdir(mode=0o700)
-    (directory / "coordinator.sock").write_text("")
+    (directory / "fanout.sock").write_text("")
     (directory / SOCKET_OWNER_FILE).write_text(owner)
     return directory
 

@@ -1,4 +1,4 @@
-"""A worker's routing wrapper: a request owned by another slot that cannot be reached is refused
+"""A shard's routing wrapper: a request owned by another slot that cannot be reached is refused
 typed and retryable, never a bare 500."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e._launch.routing import WorkerRouting
+from e2e._launch.routing import ShardRouting
 from participants import slot_of
 
 pytestmark = pytest.mark.anyio
@@ -33,9 +33,9 @@ async def test_an_unreachable_owner_slot_is_a_typed_503(tmp_path: Any) -> None:
 
     dead = f"http://127.0.0.1:{_closed_port()}"
     rollout = next(f"r{i}" for i in range(100) if slot_of(f"r{i}", 2) == 1)
-    routing = WorkerRouting(app, member=None, slot=0, peers=["http://unused", dead], token=None)  # type: ignore[arg-type]
+    routing = ShardRouting(app, shard=None, slot=0, peers=["http://unused", dead], token=None)  # type: ignore[arg-type]
     async with httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=routing), base_url="http://worker"
+        transport=httpx.ASGITransport(app=routing), base_url="http://shard"
     ) as client:
         reply = await client.post(f"/ng-rollout/{rollout}-a0/call", json={})
     assert reply.status_code == 503, reply.text

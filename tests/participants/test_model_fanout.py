@@ -1,6 +1,6 @@
-"""A model server with two workers, in-process on a real Unix socket and a shared ledger directory.
+"""A model server with two shards, in-process on a real Unix socket and a shared ledger directory.
 
-Undelivered calls are left out on every worker, a restored cut is claimed by exactly one worker
+Undelivered calls are left out on every shard, a restored cut is claimed by exactly one shard
 and comes back when unused, and a restore imports the shared ledger once.
 """
 
@@ -17,12 +17,12 @@ import pytest
 
 from participants import (
     ControlPlane,
+    FanoutShard,
     FileCaptureLedger,
     MemoryCaptureLedger,
-    ModelCoordinator,
     ModelParticipant,
+    ModelProcessFanout,
     ModelTicket,
-    WorkerMember,
     listen_private,
 )
 from protocols import CheckpointRequest, EpisodeId, RolloutRetiredError
@@ -47,10 +47,10 @@ class CountingLedger(FileCaptureLedger):
 
 
 class ModelServer:
-    """A ModelCoordinator and two model workers sharing one ledger directory."""
+    """A ModelProcessFanout and two model shards sharing one ledger directory."""
 
-    def __init__(self, coordinator: ModelCoordinator, root: Path) -> None:
-        self.coordinator = coordinator
+    def __init__(self, fanout: ModelProcessFanout, root: Path) -> None:
+        self.fanout = fanout
         self.root = root
         self.imports: list[list[str]] = []
         self.models: dict[int, ModelParticipant] = {}
@@ -59,23 +59,23 @@ class ModelServer:
         ledger = CountingLedger(self.root / "ledger", self.imports)
         stack.callback(ledger.close)
         model = ModelParticipant(ledger, cut_requester=FakeWorker())
-        member = WorkerMember(ControlPlane(model), slot=slot, socket_path=path, pid=pid)
-        await stack.enter_async_context(member.running())
+        shard = FanoutShard(ControlPlane(model), slot=slot, socket_path=path, pid=pid)
+        await stack.enter_async_context(shard.running())
         self.models[pid] = model
         with anyio.fail_after(10):
-            while self.coordinator.workers.get(pid) is None:  # noqa: ASYNC110 - another task's state
+            while self.fanout.shards.get(pid) is None:  # noqa: ASYNC110 - another task's state
                 await anyio.sleep(0.01)
 
 
 @asynccontextmanager
 async def model_server(tmp_path: Path) -> AsyncIterator[ModelServer]:
-    coordinator = ModelCoordinator("policy", expected=2)
-    plane = ControlPlane(coordinator)
+    fanout = ModelProcessFanout("policy", expected=2)
+    plane = ControlPlane(fanout)
     path = tmp_path / "c.sock"
     listener = await listen_private(path)
-    made = ModelServer(coordinator, tmp_path)
+    made = ModelServer(fanout, tmp_path)
     async with plane.running(), anyio.create_task_group() as group:
-        group.start_soon(coordinator.serve, listener, plane)
+        group.start_soon(fanout.serve, listener, plane)
         async with AsyncExitStack() as stack:
             await made.join(stack, 101, 0, path)
             await made.join(stack, 102, 1, path)
@@ -95,11 +95,11 @@ async def _on_worker(model: ModelParticipant, episode: EpisodeId) -> ModelTicket
     return ticket
 
 
-async def test_undelivered_calls_of_any_worker_are_left_out_and_the_live_cut_kept(
+async def test_undelivered_calls_of_any_shard_are_left_out_and_the_live_cut_kept(
     tmp_path: Path,
 ) -> None:
     async with model_server(tmp_path) as made:
-        owner = made.models[102]  # the other worker (pid 101) reads the same ledger files
+        owner = made.models[102]  # the other shard (pid 101) reads the same ledger files
         ledger = owner.ledger
         delivered = await owner.admit(R1)
         await ledger.record(commit("r1", 0, call_id=delivered.model_call_id, rollout="r1"))
@@ -107,12 +107,12 @@ async def test_undelivered_calls_of_any_worker_are_left_out_and_the_live_cut_kep
         owner.release(delivered)
         held = await _on_worker(owner, R1)
         await ledger.record(commit("r1", 1, call_id=held.model_call_id, rollout="r1"))
-        await made.coordinator.close_admission(_close())
-        (record,) = await made.coordinator.export([R1])
+        await made.fanout.close_admission(_close())
+        (record,) = await made.fanout.export([R1])
     assert [row["model_call_id"] for row in record["rows"]] == [delivered.model_call_id]
     (cut,) = record["generation_cuts"]
     assert cut["model_call_id"] == held.model_call_id
-    reply = made.coordinator.commit_reply([record])
+    reply = made.fanout.commit_reply([record])
     assert reply["generation_cut_episodes"] == ["r1"]
     assert reply["staging_keys"] == sorted(
         [f"stage/r1/{delivered.model_call_id}", *cut["continuation"]["staging_keys"]]
@@ -128,12 +128,12 @@ async def _cut_record() -> dict[str, Any]:
     return record
 
 
-async def test_a_restored_cut_is_claimed_by_exactly_one_worker_and_returned_when_unused(
+async def test_a_restored_cut_is_claimed_by_exactly_one_shard_and_returned_when_unused(
     tmp_path: Path,
 ) -> None:
     record = await _cut_record()
     async with model_server(tmp_path) as made:
-        await made.coordinator.install([record], [R1])
+        await made.fanout.install([record], [R1])
         a, b = made.models[101], made.models[102]
         first, second = await _on_worker(a, TARGET), await _on_worker(b, TARGET)
         async with anyio.create_task_group() as group:
@@ -145,25 +145,25 @@ async def test_a_restored_cut_is_claimed_by_exactly_one_worker_and_returned_when
         loser, other = (b, second) if winner is a else (a, first)
         winner.release(ticket)  # left without a response: the cut was not used
         await winner.return_unused_cut(ticket)
-        assert made.coordinator.status_extra()["restored_generation_cuts"] == [TARGET.capture_key]
+        assert made.fanout.status_extra()["restored_generation_cuts"] == [TARGET.capture_key]
         await loser.prefetch_restored_cut(other)  # the returned cut can be claimed again
         assert loser.take_restored_cut(other) is not None
         loser.release(other)
         await loser.return_unused_cut(other)
         late = await a.admit(TARGET)  # not on an inference worker yet: no live cut of its own
         late.request_digest = DIGEST
-        await made.coordinator.close_admission(_close())
+        await made.fanout.close_admission(_close())
         async with anyio.create_task_group() as group:
             group.start_soon(a.prefetch_restored_cut, late)  # waits: no cut moves while closed
-            await anyio.sleep(0.2)  # let the claim reach the coordinator (no time is asserted)
+            await anyio.sleep(0.2)  # let the claim reach the fan-out (no time is asserted)
             assert TARGET.capture_key not in a.restored_cuts.records
-            (carried,) = await made.coordinator.export([TARGET])
-            await made.coordinator.open_admission()
+            (carried,) = await made.fanout.export([TARGET])
+            await made.fanout.open_admission()
         assert a.take_restored_cut(late) is not None  # after resume the waiting call claims it
     assert carried["generation_cuts"] == record["generation_cuts"]
 
 
-async def test_a_restore_imports_the_shared_ledger_once_and_every_worker_reads_it(
+async def test_a_restore_imports_the_shared_ledger_once_and_every_shard_reads_it(
     tmp_path: Path,
 ) -> None:
     source = MemoryCaptureLedger()
@@ -173,12 +173,12 @@ async def test_a_restore_imports_the_shared_ledger_once_and_every_worker_reads_i
     r2 = EpisodeId(rollout_id="r2")
     async with model_server(tmp_path) as made:
         await made.models[101].ledger.record(commit("r1", 0, rollout="r1"))  # the dead attempt
-        await made.coordinator.install([record], [R1, r2])
+        await made.fanout.install([record], [R1, r2])
         assert made.imports == [["r1-a1", "r2-a1"]]
         for model in made.models.values():
             carried = model.ledger.export_rows(TARGET.capture_key)
             assert [row.get("capture_key") for row in carried] == ["r1"]
             with pytest.raises(RolloutRetiredError):
                 await model.ledger.manifest("r1")
-        pending = [e.capture_key for e in made.coordinator.restored_pending()]
+        pending = [e.capture_key for e in made.fanout.restored_pending()]
         assert pending == ["r1-a1", "r2-a1"]

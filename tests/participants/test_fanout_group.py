@@ -1,4 +1,4 @@
-"""The coordinator of a several-worker server, with real workers on a real Unix socket, in-process."""
+"""The fan-out of a server with several processes, with real shards on a real Unix socket, in-process."""
 
 from __future__ import annotations
 
@@ -13,13 +13,15 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
-from participants import ControlPlane, Placement, WorkerCoordinator, WorkerMember, listen_private
+from participants import ControlPlane, FanoutShard, Placement, ProcessFanout, listen_private
+from participants._fanout.messages import Readiness
 from protocols import (
     CheckpointCoordinatorUnavailableError,
     CheckpointError,
     CheckpointRequest,
     EpisodeId,
     InvalidCheckpointStateError,
+    InvalidRequestError,
     Phase,
     PrepareReport,
     RestoreRequest,
@@ -32,54 +34,52 @@ pytestmark = pytest.mark.anyio
 
 
 @dataclass
-class Worker:
+class Shard:
     fake: FakeParticipant
-    member: WorkerMember
+    shard: FanoutShard
     stack: AsyncExitStack
-    lost_coordinator: list[bool]
+    lost_fanout: list[bool]
 
 
 class Server:
-    """A coordinator with its plane, and workers that join and leave on demand."""
+    """A fan-out with its plane, and shards that join and leave on demand."""
 
-    def __init__(self, coordinator: WorkerCoordinator, plane: ControlPlane, path: Path) -> None:
-        self.coordinator = coordinator
+    def __init__(self, fanout: ProcessFanout, plane: ControlPlane, path: Path) -> None:
+        self.fanout = fanout
         self.plane = plane
         self.path = path
-        self.workers: dict[int, Worker] = {}
+        self.shards: dict[int, Shard] = {}
 
-    async def join(self, pid: int, slot: int) -> Worker:
+    async def join(self, pid: int, slot: int) -> Shard:
         fake = FakeParticipant()
         local = ControlPlane(fake)
         lost: list[bool] = []
-        member = WorkerMember(
+        shard = FanoutShard(
             local,
             slot=slot,
             socket_path=self.path,
             pid=pid,
-            on_coordinator_lost=lambda: lost.append(True),
+            on_fanout_lost=lambda: lost.append(True),
         )
         stack = AsyncExitStack()
-        await stack.enter_async_context(member.running())
-        worker = Worker(fake, member, stack, lost)
-        self.workers[pid] = worker
+        await stack.enter_async_context(shard.running())
+        joined = Shard(fake, shard, stack, lost)
+        self.shards[pid] = joined
         await wait_for(
-            lambda: (
-                pid in self.coordinator.workers and self.coordinator.workers[pid].report is not None
-            )
+            lambda: pid in self.fanout.shards and self.fanout.shards[pid].report is not None
         )
-        return worker
+        return joined
 
     async def stop(self, pid: int) -> None:
-        await self.workers.pop(pid).stack.aclose()
+        await self.shards.pop(pid).stack.aclose()
 
     async def lose(self, pid: int) -> None:
-        """The worker vanishes without a word (as under SIGKILL)."""
-        worker = self.workers.pop(pid)
-        await worker.member.channel.aclose()
-        await wait_for(lambda: pid not in self.coordinator.workers)
-        worker.member._stopping = True  # the test owns it now; let its context exit quietly
-        await worker.stack.aclose()
+        """The shard vanishes without a word (as under SIGKILL)."""
+        lost = self.shards.pop(pid)
+        await lost.shard.channel.aclose()
+        await wait_for(lambda: pid not in self.fanout.shards)
+        lost.shard._stopping = True  # the test owns it now; let its context exit quietly
+        await lost.stack.aclose()
 
 
 async def wait_for(condition: object, within: float = 10.0) -> None:
@@ -92,17 +92,17 @@ async def wait_for(condition: object, within: float = 10.0) -> None:
 async def server(
     tmp_path: Path, expected: int = 2, placement: Placement = "slot"
 ) -> AsyncIterator[Server]:
-    coordinator = WorkerCoordinator("environment", "fake", expected=expected, placement=placement)
-    plane = ControlPlane(coordinator)
+    fanout = ProcessFanout("environment", "fake", expected=expected, placement=placement)
+    plane = ControlPlane(fanout)
     path = tmp_path / "c.sock"
     listener = await listen_private(path)
     async with plane.running(), anyio.create_task_group() as group:
-        group.start_soon(coordinator.serve, listener, plane)
-        made = Server(coordinator, plane, path)
+        group.start_soon(fanout.serve, listener, plane)
+        made = Server(fanout, plane, path)
         try:
             yield made
         finally:
-            for pid in reversed(list(made.workers)):  # LIFO: their task groups nest
+            for pid in reversed(list(made.shards)):  # LIFO: their task groups nest
                 await made.stop(pid)
             group.cancel_scope.cancel()
     await listener.aclose()
@@ -117,7 +117,7 @@ async def test_the_socket_is_private_to_its_owner(tmp_path: Path) -> None:
         assert made.path.stat().st_mode & 0o777 == 0o600
 
 
-async def test_prepare_closes_every_worker_and_waits_for_all(tmp_path: Path) -> None:
+async def test_prepare_closes_every_shard_and_waits_for_all(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         a = await made.join(101, 0)
         b = await made.join(102, 1)
@@ -131,7 +131,7 @@ async def test_prepare_closes_every_worker_and_waits_for_all(tmp_path: Path) -> 
 
             group.start_soon(prepare)
             await wait_for(lambda: not a.fake.admission_open and not b.fake.admission_open)
-            await anyio.sleep(0.6)  # past a report poll: still waiting for worker b's episode
+            await anyio.sleep(0.6)  # past a report poll: still waiting for shard b's episode
             assert not replies
             b.fake.end_step("r1")
         assert replies[0].phase is Phase.PREPARED
@@ -139,7 +139,7 @@ async def test_prepare_closes_every_worker_and_waits_for_all(tmp_path: Path) -> 
         assert replies[0].report.counts["episodes"] == 1
 
 
-async def test_unreported_workers_block_and_a_late_joiner_closes_at_once(tmp_path: Path) -> None:
+async def test_unreported_shards_block_and_a_late_joiner_closes_at_once(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         await made.join(101, 0)
         reply = await made.plane.prepare(request(seconds=0.5))
@@ -151,7 +151,7 @@ async def test_unreported_workers_block_and_a_late_joiner_closes_at_once(tmp_pat
         assert reply.phase is Phase.PREPARED
 
 
-async def test_retire_marks_reach_workers_that_join_later(tmp_path: Path) -> None:
+async def test_retire_marks_reach_shards_that_join_later(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         early = await made.join(101, 0)
         episode = EpisodeId(rollout_id="r7", attempt=1)
@@ -164,7 +164,7 @@ async def test_retire_marks_reach_workers_that_join_later(tmp_path: Path) -> Non
         assert late.fake.marks.is_retired(EpisodeId(rollout_id="r7", attempt=0))
 
 
-async def test_a_worker_lost_while_closed_blocks_until_resume_with_a_warning(
+async def test_a_shard_lost_while_closed_blocks_until_resume_with_a_warning(
     tmp_path: Path,
 ) -> None:
     async with server(tmp_path) as made:
@@ -173,17 +173,17 @@ async def test_a_worker_lost_while_closed_blocks_until_resume_with_a_warning(
         assert (await made.plane.prepare(request())).phase is Phase.PREPARED
         with capture_logs() as logs:
             await made.lose(102)
-        lost = [e for e in logs if e["event"] == "worker.lost"]
+        lost = [e for e in logs if e["event"] == "shard.lost"]
         assert lost and lost[0]["log_level"] == "warning" and lost[0]["pid"] == 102
         assert lost[0]["open_checkpoint_can_commit"] is False
-        report = made.coordinator.readiness()
+        report = made.fanout.readiness()
         assert "environment-worker-lost" in report.blockers and not report.ready
         await made.join(103, 1)  # a replacement does not make the lost share come back
-        assert "environment-worker-lost" in made.coordinator.readiness().blockers
+        assert "environment-worker-lost" in made.fanout.readiness().blockers
         with pytest.raises(InvalidCheckpointStateError, match="102"):
-            await made.coordinator.export(None)
+            await made.fanout.export(None)
         await made.plane.resume(request())
-        assert "environment-worker-lost" not in made.coordinator.readiness().blockers
+        assert "environment-worker-lost" not in made.fanout.readiness().blockers
 
 
 async def test_a_clean_stop_is_not_reported_as_lost(tmp_path: Path) -> None:
@@ -191,39 +191,39 @@ async def test_a_clean_stop_is_not_reported_as_lost(tmp_path: Path) -> None:
         await made.join(101, 0)
         with capture_logs() as logs:
             await made.stop(101)
-            await wait_for(lambda: 101 not in made.coordinator.workers)
+            await wait_for(lambda: 101 not in made.fanout.shards)
         events = [e["event"] for e in logs]
-        assert "worker.stopped" in events and "worker.lost" not in events
-        assert made.coordinator.lost_since_start == 0
+        assert "shard.stopped" in events and "shard.lost" not in events
+        assert made.fanout.lost_since_start == 0
 
 
-async def test_a_worker_that_loses_its_coordinator_stops_itself(tmp_path: Path) -> None:
+async def test_a_shard_that_loses_its_fanout_stops_itself(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
-        worker = await made.join(101, 0)
-        await made.coordinator.workers[101].channel.aclose()
-        await wait_for(lambda: worker.lost_coordinator == [True])
-        worker.member._stopping = True
-        made.workers.pop(101)
-        await worker.stack.aclose()
+        joined = await made.join(101, 0)
+        await made.fanout.shards[101].channel.aclose()
+        await wait_for(lambda: joined.lost_fanout == [True])
+        joined.shard._stopping = True
+        made.shards.pop(101)
+        await joined.stack.aclose()
 
 
-async def test_workers_join_with_counts_in_the_log(tmp_path: Path) -> None:
+async def test_shards_join_with_counts_in_the_log(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         with capture_logs() as logs:
             await made.join(101, 0)
             await made.join(102, 1)
         joined = [
-            (e["pid"], e["connected"], e["expected"]) for e in logs if e["event"] == "worker.joined"
+            (e["pid"], e["connected"], e["expected"]) for e in logs if e["event"] == "shard.joined"
         ]
         assert joined == [(101, 1, 2), (102, 2, 2)]
 
 
-async def test_restore_refuses_when_any_worker_has_served(tmp_path: Path) -> None:
+async def test_restore_refuses_when_any_shard_has_served(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         await made.join(101, 0)
         served = await made.join(102, 1)
         served.fake.start(EpisodeId(rollout_id="r1"))
-        await wait_for(lambda: made.coordinator.workers[102].served)
+        await wait_for(lambda: made.fanout.shards[102].served)
         restore = RestoreRequest(
             checkpoint_id="c9",
             deadline_ts=time.time() + 10,
@@ -234,35 +234,35 @@ async def test_restore_refuses_when_any_worker_has_served(tmp_path: Path) -> Non
             await made.plane.restore(restore)
 
 
-async def test_a_restored_episode_is_claimed_by_exactly_one_worker(tmp_path: Path) -> None:
+async def test_a_restored_episode_is_claimed_by_exactly_one_shard(tmp_path: Path) -> None:
     async with server(tmp_path, placement="claim") as made:
         a = await made.join(101, 0)
         b = await made.join(102, 1)
         episode = EpisodeId(rollout_id="r1")
         record = {"episode_id": episode.model_dump(), "step": 3}
-        await made.coordinator.install([record], [episode])
+        await made.fanout.install([record], [episode])
         key = episode.next_attempt().capture_key
         assert key in a.fake.restored and key in b.fake.restored
         wins: list[bool] = []
         async with anyio.create_task_group() as group:
-            for worker in (a, b):
+            for joined in (a, b):
 
-                async def claim(member: WorkerMember = worker.member) -> None:
-                    wins.append(await member.claim(key))
+                async def claim(shard: FanoutShard = joined.shard) -> None:
+                    wins.append(await shard.claim(key))
 
                 group.start_soon(claim)
         assert sorted(wins) == [False, True]
         assert [key in w.fake.restored for w in (a, b)].count(True) == 1
-        assert not await a.member.claim(key)  # a later claim never wins again
+        assert not await a.shard.claim(key)  # a later claim never wins again
 
 
-async def test_slot_placement_puts_each_record_on_one_worker(tmp_path: Path) -> None:
+async def test_slot_placement_puts_each_record_on_one_shard(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         a = await made.join(101, 0)
         b = await made.join(102, 1)
         episodes = [EpisodeId(rollout_id=f"r{n}") for n in range(8)]
         records = [{"episode_id": e.model_dump(), "step": 1} for e in episodes]
-        await made.coordinator.install(records, episodes)
+        await made.fanout.install(records, episodes)
         held = sorted([*a.fake.restored, *b.fake.restored])
         assert held == sorted(e.next_attempt().capture_key for e in episodes)
         assert a.fake.restored and b.fake.restored
@@ -273,9 +273,9 @@ async def test_an_unclaimed_record_is_exported_once(tmp_path: Path) -> None:
         await made.join(101, 0)
         await made.join(102, 1)
         episode = EpisodeId(rollout_id="r1")
-        await made.coordinator.install([{"episode_id": episode.model_dump(), "step": 2}], [episode])
-        await made.coordinator.close_admission(request())
-        records = await made.coordinator.export(None)
+        await made.fanout.install([{"episode_id": episode.model_dump(), "step": 2}], [episode])
+        await made.fanout.close_admission(request())
+        records = await made.fanout.export(None)
         assert [r["episode_id"]["attempt"] for r in records] == [1]
 
 
@@ -283,27 +283,29 @@ async def test_reports_of_an_older_generation_or_sequence_are_ignored(tmp_path: 
     async with server(tmp_path) as made:
         await made.join(101, 0)
         await made.join(102, 1)
-        await made.coordinator.close_admission(request())
-        state = made.coordinator.workers[101]
+        await made.fanout.close_admission(request())
+        state = made.fanout.shards[101]
         blocked = PrepareReport(
             ready=False, blockers=["r9"], blocker_count=1, counts={}, restarts=[]
         )
-        stale = {
-            "generation": made.coordinator.generation - 1,
-            "seq": state.seq + 100,
-            "report": blocked.model_dump_json(),
-            "served": False,
-            "restored_pending": [],
-            "extra": {},
-        }
-        made.coordinator._take_report(state, stale)
-        assert made.coordinator.readiness().ready
-        made.coordinator._take_report(
-            state, {**stale, "generation": made.coordinator.generation, "seq": 0}
+        stale = Readiness(
+            generation=made.fanout.generation - 1,
+            seq=state.seq + 100,
+            report=blocked,
+            served=False,
+            restored_pending=[],
+            extra={},
         )
-        assert made.coordinator.readiness().ready
-        made.coordinator._take_report(state, {**stale, "generation": made.coordinator.generation})
-        assert made.coordinator.readiness().blockers == ["r9"]
+        made.fanout._take_report(state, stale)
+        assert made.fanout.readiness().ready
+        made.fanout._take_report(
+            state, stale.model_copy(update={"generation": made.fanout.generation, "seq": 0})
+        )
+        assert made.fanout.readiness().ready
+        made.fanout._take_report(
+            state, stale.model_copy(update={"generation": made.fanout.generation})
+        )
+        assert made.fanout.readiness().blockers == ["r9"]
 
 
 def restore_request(seconds: float) -> RestoreRequest:
@@ -315,34 +317,34 @@ def restore_request(seconds: float) -> RestoreRequest:
     )
 
 
-async def test_health_is_ready_only_once_every_slot_has_a_worker(tmp_path: Path) -> None:
+async def test_health_is_ready_only_once_every_slot_has_a_shard(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         await made.join(101, 0)
-        assert made.coordinator.health() == {
+        assert made.fanout.health().model_dump() == {
             "ready": False,
             "workers": 1,
             "expected": 2,
             "missing_slots": [1],
         }
         await made.join(102, 1)
-        assert made.coordinator.health()["ready"] is True
+        assert made.fanout.health().ready is True
 
 
-async def test_a_restore_waits_for_workers_still_joining(tmp_path: Path) -> None:
+async def test_a_restore_waits_for_shards_still_joining(tmp_path: Path) -> None:
     async with server(tmp_path) as made:
         a = await made.join(101, 1)
         episode = EpisodeId(rollout_id="r1")
         records = [{"episode_id": episode.model_dump(), "step": 1}]
-        await made.coordinator.close_admission(restore_request(10))
+        await made.fanout.close_admission(restore_request(10))
         installed = anyio.Event()
 
         async def install() -> None:
-            await made.coordinator.install(records, [episode])
+            await made.fanout.install(records, [episode])
             installed.set()
 
         made.plane.task_group.start_soon(install)  # outlives the join below (LIFO scopes)
         await anyio.sleep(0.3)
-        assert not installed.is_set()  # slot 0 has no worker yet: waiting, not refused
+        assert not installed.is_set()  # slot 0 has no shard yet: waiting, not refused
         b = await made.join(102, 0)
         with anyio.fail_after(5):
             await installed.wait()
@@ -350,14 +352,14 @@ async def test_a_restore_waits_for_workers_still_joining(tmp_path: Path) -> None
         assert key in a.fake.restored or key in b.fake.restored
 
 
-async def test_a_restore_still_missing_a_worker_at_its_deadline_is_retryable(
+async def test_a_restore_still_missing_a_shard_at_its_deadline_is_retryable(
     tmp_path: Path,
 ) -> None:
     async with server(tmp_path) as made:
         await made.join(101, 1)
-        await made.coordinator.close_admission(restore_request(0.5))
+        await made.fanout.close_admission(restore_request(0.5))
         with pytest.raises(CheckpointCoordinatorUnavailableError, match=r"slot \[0\]") as caught:
-            await made.coordinator.install([], [])
+            await made.fanout.install([], [])
         assert caught.value.retryable
 
 
@@ -375,6 +377,23 @@ async def test_two_records_of_one_episode_are_both_exported(tmp_path: Path) -> N
             return [dict(record) for record in held]
 
         a.fake.export = export  # type: ignore[method-assign]
-        await made.coordinator.close_admission(request())
-        records = await made.coordinator.export(None)
+        await made.fanout.close_admission(request())
+        records = await made.fanout.export(None)
         assert sorted(r["session_id"] for r in records) == ["s-restored", "s-seeded"]
+
+
+async def test_a_shard_relays_control_calls_and_gathers_every_process_metrics(
+    tmp_path: Path,
+) -> None:
+    async with server(tmp_path) as made:
+        a = await made.join(101, 0)
+        await made.join(102, 1)
+        status = await a.shard.relay_control("status", b"")
+        assert status["phase"] == "idle" and status["report"]["counts"]["workers"] == 2
+        with pytest.raises(InvalidRequestError, match="unknown control operation 'nope'"):
+            await a.shard.relay_control("nope", b"")
+        with pytest.raises(InvalidRequestError, match="checkpoint_id"):
+            await a.shard.relay_control("prepare", b'{"deadline_ts": 1.0}')
+        metrics = await a.shard.gather_metrics()
+        assert "midflight_checkpoint_phase" in metrics.main and len(metrics.shards) == 2
+        assert (await a.shard.health()).ready

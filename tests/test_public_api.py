@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import re
+from pathlib import Path
 
 import pytest
 
@@ -47,33 +48,26 @@ PUBLIC = {
         "validate_row", "validate_safe_name",
     ],
     "participants": [
-        "CAPTURE_FILE_SUFFIXES", "CONTROL_EVENTS", "DEFAULT_ADMISSION_WAIT_SECONDS",
-        "DEFAULT_MAX_BODY_BYTES", "DEFAULT_MAX_CACHED_ROLLOUTS", "DEFAULT_MAX_CACHED_ROWS", "DEFAULT_STRIPES",
-        "FRAME_MAX_BYTES", "GENERATION_CUT_OUTCOMES", "KILL_BOUNDARIES", "KILL_FILE_ENV",
-        "KILL_POINT_ENV", "LOCK_DIRECTORY", "MESSAGE_TIMEOUT_SECONDS", "MODEL_FAULTS",
-        "REPLY_GRACE_SECONDS", "REPORT_POLL_SECONDS", "RESOURCES_MODES", "RETIRE_STEPS",
-        "FANOUT_SOCKET_ENV", "SOCKET_OWNER_FILE", "TEST_HOOKS_ENV", "VERIFY_MODES", "WRITE_STEPS", "ActiveCall",
-        "AgentParticipant", "AgentPeers", "AgentSession", "AgentSessionHooks",
-        "AgentSessionState", "AgentTaskInput", "BaseParticipant", "BodyLimit", "CaptureAdapter",
-        "CallAborter", "CaptureError", "ChangeNotifier", "Channel", "Clock", "ControlPlane",
-        "ControlSettings", "ControlTelemetry", "CounterSessionHooks", "CutRequester",
-        "EnvironmentParticipant", "EnvironmentPeers", "EnvironmentRecord", "EpisodeOutcome",
-        "EpisodeSteps", "FileCaptureLedger", "FileTokenStagingStore",
-        "GenerationCutTelemetry", "Job", "KillPoint", "LedgerCacheCollector", "ManualClock",
-        "MemoryCaptureLedger", "ModelProcessFanout", "ModelParticipant", "ModelTicket",
-        "Participant", "ParticipantCheckpoint", "Placement", "Record", "RecordsWriter",
-        "ResourcesAdmission", "ResourcesMode", "ResourcesParticipant", "ResourcesRoute",
-        "ResourcesSession", "ResourcesSessionHooks", "RestartOnlyAgentParticipant",
-        "RestoredAgentSession", "RetireMarks", "RolloutTokenCapture", "RowCache",
-        "SeededSession", "StreamingUnsupportedError", "SystemClock", "TrackedEpisode",
-        "VerifyMode", "ProcessFanout", "FanoutShard", "ShardState", "authorized",
-        "build_report", "choose_tool", "control_router", "describe_validation_error",
-        "error_response", "error_responses", "fsync_directory",
-        "generation_cut_restart_reason", "install_error_envelope", "ledger_control_router",
-        "listen_private", "make_directory_durable", "participant_app",
-        "private_socket_path", "put_entries", "read_kill_announcements", "read_participant_checkpoint",
-        "rebuild_generation_cut", "remove_stale_socket_dirs", "slot_of", "write_file_durably",
-        "generation_cut_router", "record_custody", "resolve_admission",
+        "CONTROL_EVENTS", "DEFAULT_ADMISSION_WAIT_SECONDS", "FANOUT_SOCKET_ENV",
+        "KILL_BOUNDARIES", "RESOURCES_MODES", "SOCKET_OWNER_FILE", "VERIFY_MODES",
+        "WRITE_STEPS", "ActiveCall", "AgentParticipant", "AgentPeers", "AgentSession",
+        "AgentSessionHooks", "AgentSessionState", "AgentTaskInput", "BaseParticipant",
+        "BodyLimit", "CallAborter", "CaptureAdapter", "CaptureError", "ChangeNotifier",
+        "Clock", "ControlPlane", "ControlSettings", "ControlTelemetry",
+        "CounterSessionHooks", "CutRequester", "EnvironmentParticipant", "EnvironmentPeers",
+        "EpisodeOutcome", "EpisodeSteps", "FanoutShard", "FileCaptureLedger",
+        "FileTokenStagingStore", "ManualClock", "MemoryCaptureLedger", "ModelParticipant",
+        "ModelProcessFanout", "ModelTicket", "Participant", "ParticipantCheckpoint",
+        "Placement", "ProcessFanout", "Record", "RecordsWriter", "ResourcesAdmission",
+        "ResourcesMode", "ResourcesParticipant", "ResourcesSession",
+        "ResourcesSessionHooks", "RestartOnlyAgentParticipant", "RestoredAgentSession",
+        "RolloutTokenCapture", "SeededSession", "StreamingUnsupportedError", "VerifyMode",
+        "authorized", "build_report", "control_router", "error_response", "error_responses",
+        "fsync_directory", "generation_cut_restart_reason", "generation_cut_router",
+        "install_error_envelope", "ledger_control_router", "listen_private",
+        "make_directory_durable", "participant_app", "private_socket_path", "put_entries",
+        "read_kill_announcements", "read_participant_checkpoint", "rebuild_generation_cut",
+        "record_custody", "resolve_admission", "slot_of", "write_file_durably",
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "LATEST_FILE", "CheckpointManifest",
@@ -126,3 +120,40 @@ def test_every_package_ships_py_typed(package: str) -> None:
     from importlib.resources import files
 
     assert files(package).joinpath("py.typed").is_file()
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _words(paths: list[Path]) -> set[str]:
+    return {word for path in paths for word in re.findall(r"\w+", path.read_text())}
+
+
+def _source(*packages: str) -> list[Path]:
+    return [path for package in packages for path in (ROOT / package).rglob("*.py")]
+
+
+USERS = {
+    # protocols is the contract of the two library packages as well as of the reference servers.
+    "protocols": ("participants", "coordinator", "e2e"),
+    "participants": ("e2e",),
+    "coordinator": ("e2e",),
+}
+
+
+@pytest.mark.parametrize("package", sorted(USERS))
+def test_every_public_name_is_used_by_the_docs_or_the_reference_deployment(package: str) -> None:
+    pages = [p for p in (ROOT / "docs").rglob("*.md") if p.name != "decisions.md"]
+    used = _words(pages + list((ROOT / "docs").rglob("*.py")) + _source(*USERS[package]))
+    unused = sorted(set(importlib.import_module(package).__all__) - used)
+    assert not unused, f"{package} exports names no page and no user of it names: {unused}"
+
+
+@pytest.mark.parametrize("package", ["participants", "coordinator"])
+def test_test_hooks_are_importable_only_from_testing(package: str) -> None:
+    testing = importlib.import_module(f"{package}.testing")
+    public = set(importlib.import_module(package).__all__)
+    assert testing.__all__, f"{package}.testing exports nothing"
+    assert not public & set(testing.__all__), "a test hook is in the curated surface too"
+    for name in testing.__all__:
+        assert hasattr(testing, name)

@@ -26,7 +26,7 @@ from coordinator import (
     read_latest,
 )
 from coordinator.testing import PUBLISH_FAULTS
-from participants import KillPoint
+from participants.testing import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
 from .._servers.cluster import Cluster

@@ -20,13 +20,8 @@ from pathlib import Path
 from typing import Any, Final
 
 from coordinator import CHECKPOINTS_SUBDIR, read_latest, verify_checkpoint
-from participants import (
-    KILL_BOUNDARIES,
-    KILL_FILE_ENV,
-    KILL_POINT_ENV,
-    TEST_HOOKS_ENV,
-    read_kill_announcements,
-)
+from participants import KILL_BOUNDARIES, read_kill_announcements
+from participants.testing import KILL_FILE_ENV, KILL_POINT_ENV, TEST_HOOKS_ENV
 
 from .._launch.supervisor import Supervisor, SupervisorOptions
 from .._servers.cluster import DEFAULT_NAMES

@@ -23,7 +23,6 @@ from fastapi.responses import JSONResponse
 
 from participants import (
     DEFAULT_ADMISSION_WAIT_SECONDS,
-    MODEL_FAULTS,
     ControlPlane,
     ControlTelemetry,
     FileCaptureLedger,
@@ -32,6 +31,7 @@ from participants import (
     ledger_control_router,
     participant_app,
 )
+from participants.testing import MODEL_FAULTS
 from protocols import CaptureLedger
 
 from .context import ServeContext, active_fault, control_settings

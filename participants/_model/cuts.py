@@ -45,6 +45,9 @@ GUIDED_FIELDS: Final = (
 CutRequester = Callable[[str, GenerationCutInventory, float], Awaitable[GenerationCutReceipt]]
 """``(backend, inventory, budget_seconds) -> receipt``: asks one worker to cut its calls."""
 
+CallAborter = Callable[[str, list[str]], Awaitable[None]]
+"""Stops model calls on a worker (its URL, the call ids); returns once they have left."""
+
 
 def generation_cut_restart_reason(body: Mapping[str, Any]) -> str | None:
     """Why a call with this request body may never be cut nor continue a cut, if it may not.

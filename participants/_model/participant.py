@@ -20,8 +20,6 @@ import anyio.to_thread
 from prometheus_client import CollectorRegistry
 
 from protocols import (
-    MAX_LEDGER_BATCH,
-    AdmissionClosedError,
     CaptureLedger,
     CheckpointError,
     CheckpointRequest,
@@ -37,6 +35,7 @@ from .._runtime.participant import BaseParticipant, Record
 from .._runtime.report import build_report
 from .._runtime.telemetry import GenerationCutTelemetry
 from .cuts import (
+    CallAborter,
     CutRequester,
     RestoredCuts,
     latest_cut_tickets,
@@ -44,20 +43,13 @@ from .cuts import (
     run_cut_round,
 )
 from .gate import DEFAULT_ADMISSION_WAIT_SECONDS, ModelGate, ModelTicket
-from .records import attempt_keys_through, checked_restore, model_commit_reply
-
-CLAIM_RETRY_SECONDS: Final = 0.05
-"""Pause before claiming a restored cut again while the fan-out is closed but not yet this
-shard."""
+from .records import checked_restore, import_ledgers, model_commit_reply, retire_ledgers
+from .shares import claim_restored_cut, share_episodes
 
 EXPORT_BATCH: Final = 512
 """Ledgers an export reads per worker-thread hop: one hop per episode cost more than the reads."""
 MODEL_FAULTS: Final = frozenset({"export-undelivered", "ignore-cuts", "skip-ledger-import"})
 """Fault switches the model participant knows (``midflight drill --fault``)."""
-
-
-CallAborter = Callable[[str, list[str]], Awaitable[None]]
-"""Stops model calls on a worker (its URL, the call ids); returns once they have left."""
 
 
 class ModelParticipant(BaseParticipant):
@@ -291,10 +283,7 @@ class ModelParticipant(BaseParticipant):
     async def _import_ledgers(self, ledgers: dict[str, list[dict[str, Any]]]) -> None:
         if "skip-ledger-import" in self.faults:
             ledgers = {key: [] for key in ledgers}
-        try:
-            await anyio.to_thread.run_sync(self.ledger.import_rows_many, ledgers)
-        except ValueError as exc:
-            raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
+        await import_ledgers(self.ledger, ledgers)
 
     # -- one shard process of several (the fan-out is participants._model.fanout) -------
 
@@ -310,20 +299,7 @@ class ModelParticipant(BaseParticipant):
         key = ticket.episode.capture_key
         if key not in self.restored_cut_keys or key in self.restored_cuts.records:
             return  # no cut was restored for it, or this shard holds it already
-        record = None
-        # Bounded like a waiting admission; on timeout the call regenerates, never fails.
-        with anyio.move_on_after(self.gate.admission_wait_seconds):
-            while True:
-                try:
-                    record = await self.claim_cut(key, ticket.request_digest)
-                    break
-                except AdmissionClosedError:
-                    # A checkpoint is open: no cut moves until resume (the export carries it),
-                    # so wait like a new call; the fan-out may close before this shard does.
-                    if self.gate.accepting:
-                        await anyio.sleep(CLAIM_RETRY_SECONDS)
-                    else:
-                        await self.gate.wait_open()
+        record = await claim_restored_cut(self.claim_cut, self.gate, key, ticket.request_digest)
         if record is not None:
             self.restored_cuts.records[key] = GenerationCutRecord.model_validate(record)
 
@@ -354,17 +330,9 @@ class ModelParticipant(BaseParticipant):
             )
         undelivered = set() if "export-undelivered" in self.faults else self.gate.undelivered()
         live = latest_cut_tickets(self.gate.tickets.values())
-        episodes: dict[str, dict[str, Any]] = {}
-        for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
-            key = episode.capture_key
-            rows = await anyio.to_thread.run_sync(self.ledger.export_rows, key)
-            ticket = live.get(key)
-            cut = ticket.cut_record if ticket is not None else self.restored_cuts.records.get(key)
-            episodes[key] = {
-                "rows": [row for row in rows if row.get("model_call_id") not in undelivered],
-                "cut": None if cut is None else cut.model_dump(mode="json"),
-                "cut_admitted_at": None if ticket is None else ticket.admitted_at,
-            }
+        episodes = await share_episodes(
+            self.ledger, episode_ids, undelivered, live, self.restored_cuts.records
+        )
         return {"undelivered": sorted(undelivered), "episodes": episodes}
 
     async def install_share(
@@ -419,9 +387,7 @@ class ModelParticipant(BaseParticipant):
         self.changes.notify()
 
     async def _retire_ledgers(self, episodes: Sequence[EpisodeId]) -> None:
-        keys = list(dict.fromkeys(k for e in episodes for k in attempt_keys_through(e)))
-        for start in range(0, len(keys), MAX_LEDGER_BATCH):
-            await self.ledger.retire(keys[start : start + MAX_LEDGER_BATCH])
+        await retire_ledgers(self.ledger, episodes)
 
     def status_extra(self) -> dict[str, Any]:
         """Whether admission is open, restored attempts pending, calls waiting to be admitted."""

@@ -12,9 +12,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+import anyio.to_thread
 from pydantic import TypeAdapter, ValidationError
 
 from protocols import (
+    MAX_LEDGER_BATCH,
+    CaptureLedger,
+    CheckpointError,
     EpisodeId,
     GenerationCutRecord,
     InvalidCheckpointStateError,
@@ -131,3 +135,22 @@ def model_commit_reply(records: Sequence[Record]) -> dict[str, Any]:
         "staging_keys_by_episode": by_episode,
         "generation_cut_episodes": sorted(with_cut),
     }
+
+
+async def import_ledgers(ledger: CaptureLedger, ledgers: dict[str, list[dict[str, Any]]]) -> None:
+    """Install a restore's ledgers in one batch, off the event loop.
+
+    Raises:
+        CheckpointError: The ledger refused the rows (nothing was installed).
+    """
+    try:
+        await anyio.to_thread.run_sync(ledger.import_rows_many, ledgers)
+    except ValueError as exc:
+        raise CheckpointError(f"the capture ledger refused the restore: {exc}") from None
+
+
+async def retire_ledgers(ledger: CaptureLedger, episodes: Sequence[EpisodeId]) -> None:
+    """Retire the ledgers of ``episodes`` and of every earlier attempt, in bounded batches."""
+    keys = list(dict.fromkeys(k for e in episodes for k in attempt_keys_through(e)))
+    for start in range(0, len(keys), MAX_LEDGER_BATCH):
+        await ledger.retire(keys[start : start + MAX_LEDGER_BATCH])

@@ -423,7 +423,7 @@ async def test_metrics_count_the_cut_inventories_answered_and_their_calls(tmp_pa
 
 
 async def test_a_completion_body_over_the_limit_is_refused_with_413(tmp_path: Path) -> None:
-    from participants import DEFAULT_MAX_BODY_BYTES
+    from participants._http.body_limit import DEFAULT_MAX_BODY_BYTES
 
     async with worker(tmp_path) as (client, engine):
         huge = b'{"prompt_token_ids": [' + b"1," * (DEFAULT_MAX_BODY_BYTES // 2) + b"1]}"

@@ -18,8 +18,8 @@ from participants import (
     AgentTaskInput,
     CounterSessionHooks,
     RestoredAgentSession,
-    choose_tool,
 )
+from participants._agent.session import choose_tool
 from protocols import (
     CheckpointError,
     CheckpointRequest,

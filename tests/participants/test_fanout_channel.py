@@ -18,8 +18,8 @@ import anyio
 import pytest
 from anyio.abc import ByteStream
 
-from participants import Channel, listen_private
-from participants._fanout.channel import Dispatch, connect
+from participants import listen_private
+from participants._fanout.channel import Channel, Dispatch, connect
 from participants._fanout.messages import (
     Ask,
     CheckForget,

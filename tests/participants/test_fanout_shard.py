@@ -17,7 +17,6 @@ import anyio
 import pytest
 
 from participants import (
-    Channel,
     ControlPlane,
     FanoutShard,
     MemoryCaptureLedger,
@@ -28,7 +27,7 @@ from participants import (
     listen_private,
 )
 from participants._fanout.capabilities import ClaimsCuts, ClaimsRestored, ExportsShares
-from participants._fanout.channel import Dispatch
+from participants._fanout.channel import Channel, Dispatch
 from participants._fanout.group import ShardConnection
 from participants._fanout.messages import (
     CUTS_TO_FANOUT,

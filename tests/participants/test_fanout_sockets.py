@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from participants import SOCKET_OWNER_FILE, private_socket_path, remove_stale_socket_dirs
+from participants import SOCKET_OWNER_FILE, private_socket_path
+from participants._fanout.sockets import remove_stale_socket_dirs
 
 
 def _dead_pid() -> int:

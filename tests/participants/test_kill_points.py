@@ -12,13 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from participants import (
-    KILL_FILE_ENV,
-    KILL_POINT_ENV,
-    TEST_HOOKS_ENV,
-    KillPoint,
-    read_kill_announcements,
-)
+from participants import read_kill_announcements
+from participants.testing import KILL_FILE_ENV, KILL_POINT_ENV, TEST_HOOKS_ENV, KillPoint
 
 
 def _env(tmp_path: Path, spec: str, *, hooks: str = "1") -> dict[str, str]:
@@ -61,7 +56,9 @@ def test_the_point_is_due_on_its_occurrence_and_once_per_file(tmp_path: Path) ->
 
 
 def test_a_process_announces_durably_then_stands_still_until_killed(tmp_path: Path) -> None:
-    code = "from participants import KillPoint; KillPoint('controller').reach('prepare-sent')"
+    code = (
+        "from participants.testing import KillPoint; KillPoint('controller').reach('prepare-sent')"
+    )
     process = subprocess.Popen(
         [sys.executable, "-c", code],
         env={**os.environ, **_env(tmp_path, "controller:prepare-sent")},

@@ -10,13 +10,9 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from participants import (
-    DEFAULT_STRIPES,
-    LOCK_DIRECTORY,
-    FileCaptureLedger,
-    LedgerCacheCollector,
-    RowCache,
-)
+from participants import FileCaptureLedger
+from participants._ledger.cache import LedgerCacheCollector, RowCache
+from participants._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from protocols import RolloutRemoval, RolloutRetiredError
 from protocols._ledger import MAX_LEDGER_KEY_LENGTH
 

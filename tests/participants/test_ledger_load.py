@@ -7,7 +7,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from participants import DEFAULT_STRIPES, LOCK_DIRECTORY, FileCaptureLedger
+from participants import FileCaptureLedger
+from participants._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 
 from .ledger_factory import commit
 

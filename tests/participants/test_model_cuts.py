@@ -12,13 +12,13 @@ from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
 from participants import (
-    GENERATION_CUT_OUTCOMES,
     ManualClock,
     MemoryCaptureLedger,
     ModelParticipant,
     ModelTicket,
     generation_cut_restart_reason,
 )
+from participants._runtime.telemetry import GENERATION_CUT_OUTCOMES
 from protocols import (
     CheckpointRequest,
     EpisodeId,

@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final, cast
 
+from protocols import MidflightError
+
 from .engine_api import EngineOptions, GenerationEngine
 
 EngineFactory = Callable[[EngineOptions], GenerationEngine]
@@ -46,7 +48,7 @@ ENGINES: Final[dict[str, EngineEntry]] = {
 """Every engine by name; the first is the default."""
 
 
-class EngineError(ValueError):
+class EngineError(MidflightError, ValueError):
     """An engine that cannot be started: an unknown name, or its packages are missing."""
 
 

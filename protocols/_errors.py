@@ -38,6 +38,7 @@ Exception tree::
     ├── NotAParticipantError                      coordinator: the status route answered 404
     ├── ContinuationRefused                       e2e: the worker refused a generation cut
     ├── DrillStalledError (RuntimeError)          e2e: the drill stopped making progress
+    ├── EngineError (ValueError)                  e2e: an engine unknown or not installed
     ├── PortInUseError (OSError)                  e2e: a serve port is taken or not permitted
     └── TokenSequenceError (ValueError)           e2e: a manifest's token chain does not hold
 

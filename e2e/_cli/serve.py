@@ -20,6 +20,8 @@ from .._servers.environment import DEFAULT_EPISODE_SECONDS, PeerTimeouts, create
 from .._servers.model import create_model_app
 from .._servers.resources import create_resources_app
 from .._worker.app import DEFAULT_WORKER_PORT, WorkerSettings, create_worker_app
+from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names
+from .output import usage_error
 
 
 class ServeOptions:
@@ -108,8 +110,15 @@ def _register_worker(serve_app: typer.Typer) -> None:
         cut_timeout_ms: Annotated[
             float, typer.Option(min=1.0, help="Deadline of one call's generation cut.")
         ] = 5000.0,
+        engine: Annotated[
+            str,
+            typer.Option(
+                metavar="NAME",
+                help=f"The inference engine: {', '.join(engine_names())}.",
+            ),
+        ] = DEFAULT_ENGINE,
     ) -> None:
-        """The deterministic inference worker (default port 8701)."""
+        """The inference worker (default port 8701), on the deterministic engine by default."""
         options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
         settings = WorkerSettings(
             root=options.root,
@@ -118,8 +127,13 @@ def _register_worker(serve_app: typer.Typer) -> None:
             cut_timeout_ms=cut_timeout_ms,
             control_token=options.control_token,
             name=name,
+            engine=engine,
         )
-        run_server(create_worker_app(settings), options)
+        try:
+            app = create_worker_app(settings)
+        except EngineError as exc:  # an unknown engine, or one whose packages are missing
+            usage_error(str(exc))
+        run_server(app, options)
 
 
 def _register_model(serve_app: typer.Typer) -> None:

@@ -9,6 +9,8 @@ the bearer token of every ``/ng-control/`` path is checked before the body is re
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from importlib.metadata import version as package_version
 from pathlib import Path
@@ -50,6 +52,8 @@ from protocols import (
 
 from .._servers.evidence import EvidenceLog, read_evidence
 from .engine import WorkerEngine
+from .engine_api import EngineOptions
+from .engines import DEFAULT_ENGINE, build_engine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
 ABORT_ROUTE: Final = "/ng-control/v1/abort"
@@ -68,6 +72,7 @@ class WorkerSettings:
         cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
         control_token: The bearer token of the cut route; ``None`` installs no control route.
         name: The server's name.
+        engine: The inference engine's name in :data:`~e2e._worker.engines.ENGINES`.
     """
 
     root: Path
@@ -76,6 +81,7 @@ class WorkerSettings:
     cut_timeout_ms: float = 5000.0
     control_token: str | None = None
     name: str = "worker"
+    engine: str = DEFAULT_ENGINE
 
 
 class _BearerGuard:
@@ -107,20 +113,32 @@ def create_worker_app(
         settings: How the worker runs.
         store: The staging store; a :class:`~participants.FileTokenStagingStore` under
             ``<root>/staging/`` when omitted (tests inject failing or hanging stores).
+
+    Raises:
+        EngineError: ``settings.engine`` names no engine, or its packages are not installed.
     """
+    inference = build_engine(
+        settings.engine, EngineOptions(seed=settings.seed, token_delay_ms=settings.token_delay_ms)
+    )
     engine = WorkerEngine(
         store=store or FileTokenStagingStore(settings.root / "staging"),
         evidence=EvidenceLog(worker_evidence_path(settings.root)),
-        seed=settings.seed,
-        token_delay_ms=settings.token_delay_ms,
+        inference=inference,
         cut_timeout_ms=settings.cut_timeout_ms,
         name=settings.name,
     )
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with inference.running():  # a batching engine's scheduler, for the server's life
+            yield
+
     app = FastAPI(
-        title="midflight deterministic inference worker",
+        title="midflight deterministic inference worker",  # the OpenAPI title, kept as it was
         version=package_version("midflight"),  # as in every participant's document
         docs_url=None,
         redoc_url=None,
+        lifespan=lifespan,
     )
     app.state.engine = engine
     metrics = WorkerMetrics(engine)

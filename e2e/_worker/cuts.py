@@ -10,7 +10,6 @@ arrived is answered from its completion evidence (a ``terminal_completion`` ack,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Final
 
 import anyio
 import anyio.to_thread
@@ -26,7 +25,7 @@ from protocols import (
     generation_cut_staging_key,
 )
 
-FINISH_REASON: Final = "length"
+from .engine_api import GenerationRequest, StagedFinishReason
 
 
 @dataclass
@@ -34,7 +33,7 @@ class LiveCall:
     """A call being decoded, and what its cuts have sealed so far."""
 
     call: ActiveCall
-    request_prompt: list[int]
+    generation: GenerationRequest
     engine_prompt: list[int]
     max_tokens: int
     continued: int
@@ -54,6 +53,11 @@ class LiveCall:
     def capture_key(self) -> str:
         return self.call.rollout_id
 
+    def append(self, token_id: int, log_prob: float) -> None:
+        """Take the engine's next token (the call is the engine's :class:`TokenSink`)."""
+        self.generated.append(token_id)
+        self.log_probs.append(log_prob)
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -63,6 +67,7 @@ class Finished:
     coords: CommitCoords
     generated_count: int
     max_tokens: int
+    finish_reason: StagedFinishReason
     finished_at: float
 
 
@@ -184,7 +189,7 @@ def terminal_ack(
         return GenerationCutPrefixAck.failure(prefix)
     coords = finished.coords
     if coords.disposition != "staged" or coords.digest is None or coords.staging_key is None:
-        return GenerationCutPrefixAck.failure(prefix, terminal_finish_reason=FINISH_REASON)
+        return GenerationCutPrefixAck.failure(prefix, terminal_finish_reason=finished.finish_reason)
     return GenerationCutPrefixAck(
         **prefix.model_dump(),
         disposition="durable_prefix",
@@ -194,5 +199,5 @@ def terminal_ack(
         prefix_token_count=finished.generated_count,
         prefix_digest=coords.digest,
         effective_output_limit=finished.max_tokens,
-        terminal_finish_reason=FINISH_REASON,
+        terminal_finish_reason=finished.finish_reason,
     )

@@ -1,6 +1,9 @@
-"""The deterministic inference worker's engine: decode, stage, serve generation cuts.
+"""The inference worker's engine: admit calls, have the inference engine decode them, stage them,
+serve generation cuts.
 
-Decoding appends one token per ``token_delay_ms`` to the call's buffer on the event loop. A cut
+The inference engine (:mod:`~e2e._worker.engine_api`; the deterministic one by default) appends
+each call's tokens to the call's buffer as it produces them. A call whose continued prefix already
+finished is answered without the engine (:func:`~e2e._worker.engine_api.prefix_finish`). A cut
 round takes every listed call's buffer as it stands (decoding goes on), builds and stages the
 records of up to ``CUT_BATCH`` calls at a time as one staging batch on a worker thread, and seals a
 batch only if it became durable within the round's deadline: the first cut of a call stages the
@@ -11,16 +14,14 @@ is answered from its completion evidence (a ``terminal_completion`` cut of its s
 from __future__ import annotations
 
 import logging
-import math
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, NoReturn
 
 import anyio
-import anyio.lowlevel
 import anyio.to_thread
 
 from participants import (
@@ -45,18 +46,20 @@ from protocols import (
 )
 
 from .._servers.evidence import EvidenceLog
-from .cuts import FINISH_REASON, Finished, LiveCall, cut_batch, terminal_ack
-from .generation import generate_token
+from .cuts import Finished, LiveCall, cut_batch, terminal_ack
+from .deterministic import DeterministicEngine
+from .engine_api import (
+    FinishReason,
+    GenerationEngine,
+    GenerationRequest,
+    StagedFinishReason,
+    TokenSink,
+    prefix_finish,
+)
 
 _log = logging.getLogger(__name__)
 
-TOKEN_LOG_PROB: Final = -math.log(37)
-"""Every generated token's log-prob: the worker draws uniformly from a 37-token alphabet."""
 TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
-UNPACED_TOKENS_PER_YIELD: Final = 64
-"""With no token delay, decoding yields to the event loop once per this many tokens, not per
-token: in one process (the benches) each yield resumes the whole environment → agent → model →
-worker await chain, which cost more than the tokens themselves (D253)."""
 CUT_BATCH: Final = 4096
 """Calls staged per batch of a cut round: one segment (two fsyncs) each, sealed when durable, so a
 round that outlives its deadline keeps the batches that made it."""
@@ -76,14 +79,23 @@ class _EngineAdapter:
 
 
 @dataclass
+class _Collected:
+    """The tokens of a call that stages nothing (no admission)."""
+
+    token_ids: list[int] = field(default_factory=list)
+
+    def append(self, token_id: int, log_prob: float) -> None:
+        self.token_ids.append(token_id)
+
+
+@dataclass
 class WorkerEngine:
-    """State and behaviour of one deterministic worker process.
+    """State and behaviour of one worker process.
 
     Args:
         store: Where records and cuts are staged.
         evidence: The worker's evidence log.
-        seed: The generation seed.
-        token_delay_ms: Delay before each generated token.
+        inference: The inference engine that decodes the calls.
         cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
         name: The worker's name, part of receipt snapshot ids.
         clock: Monotonic seconds, injectable for tests.
@@ -91,8 +103,7 @@ class WorkerEngine:
 
     store: TokenStagingStore
     evidence: EvidenceLog
-    seed: int = 0
-    token_delay_ms: float = 2.0
+    inference: GenerationEngine = field(default_factory=DeterministicEngine)
     cut_timeout_ms: float = 5000.0
     name: str = "worker"
     clock: Callable[[], float] = time.monotonic
@@ -113,8 +124,7 @@ class WorkerEngine:
         """
         admission = _admission_with_cut(request)
         if admission is None:
-            tokens = await self._decode(request.prompt_token_ids, 0, request.max_tokens, None)
-            return CompletionReply(token_ids=tokens, finish_reason=FINISH_REASON)
+            return await self._complete_uncaptured(request)
         if admission.model_call_id in self.live:
             raise InvalidRequestError(f"model call {admission.model_call_id!r} is already running")
         live = await anyio.to_thread.run_sync(self._begin, admission, request)
@@ -123,9 +133,13 @@ class WorkerEngine:
         live.scope, live.left = anyio.CancelScope(), anyio.Event()
         self.live[admission.model_call_id] = live
         coords: CommitCoords | None = None
+        finish: StagedFinishReason = "length"  # set once the engine has finished the call
         try:
             with live.scope:  # cancelled by an abort (a retire), or with the request
-                await self._decode(live.request_prompt, live.continued, live.max_tokens, live)
+                reason = await self._generate(live.generation, live)
+                if reason == "abort":  # the engine gave the call up: stage nothing, as an abort
+                    _stale(admission, live)
+                finish = reason
                 response = {
                     "prompt_token_ids": live.engine_prompt,
                     "generated_token_ids": live.generated,
@@ -135,15 +149,12 @@ class WorkerEngine:
                 coords = await anyio.to_thread.run_sync(
                     self.capture.complete_call_from_response, live.call, response
                 )
-                self._remember_finished(live, coords)
+                self._remember_finished(live, coords, finish)
         finally:
             self.live.pop(admission.model_call_id, None)
             live.left.set()
         if coords is None:
-            raise StaleAttemptError(
-                f"model call {admission.model_call_id!r} was aborted after "
-                f"{len(live.generated)} tokens; nothing of it was staged"
-            )
+            _stale(admission, live)
         cut = admission.generation_cut
         await anyio.to_thread.run_sync(
             self.evidence.append,
@@ -160,26 +171,28 @@ class WorkerEngine:
                 "at": time.time(),
             },
         )
-        completion = live.engine_prompt[len(live.request_prompt) :] + live.generated
-        return CompletionReply(
-            token_ids=completion, finish_reason=FINISH_REASON, ng_commit_coords=coords
-        )
+        completion = [*live.generation.prefix_token_ids, *live.generated]
+        return CompletionReply(token_ids=completion, finish_reason=finish, ng_commit_coords=coords)
 
-    async def _decode(
-        self, prompt: Sequence[int], start: int, stop: int, live: LiveCall | None
-    ) -> list[int]:
-        tokens = live.generated if live is not None else []
-        log_probs = live.log_probs if live is not None else []
-        prompt_bytes = bytes(prompt)
-        delay = self.token_delay_ms / 1000
-        for position in range(start, stop):
-            if delay > 0:
-                await anyio.sleep(delay)
-            elif (position - start) % UNPACED_TOKENS_PER_YIELD == 0:
-                await anyio.lowlevel.checkpoint()  # unpaced: yield (and see a cancel) per chunk
-            tokens.append(generate_token(self.seed, prompt_bytes, position))
-            log_probs.append(TOKEN_LOG_PROB)
-        return tokens
+    async def _complete_uncaptured(self, request: CompletionRequest) -> CompletionReply:
+        """A call without an admission: decoded, never staged."""
+        uncaptured = GenerationRequest(
+            prompt_token_ids=tuple(request.prompt_token_ids),
+            max_tokens=request.max_tokens,
+            stop_token_ids=self.inference.stop_token_ids,
+        )
+        collected = _Collected()
+        finish = await self._generate(uncaptured, collected)
+        if finish == "abort":
+            raise StaleAttemptError("the engine gave the call up; nothing of it was staged")
+        return CompletionReply(token_ids=collected.token_ids, finish_reason=finish)
+
+    async def _generate(self, request: GenerationRequest, tokens: TokenSink) -> FinishReason:
+        """The engine decodes the call, unless its continued prefix already finished it."""
+        finished = prefix_finish(request)
+        if finished is not None:
+            return finished
+        return await self.inference.generate(request, tokens)
 
     async def abort(self, model_call_ids: Sequence[str]) -> list[str]:
         """Stop the named calls and wait until they have left; the ids that were running.
@@ -219,6 +232,7 @@ class WorkerEngine:
                 prefix_token_ids=prefix,
                 generation_cut=snapshot,
                 generation_cut_staging_keys=None if cut is None else cut.staging_keys,
+                weight_version=self.inference.weight_version,
             )
         except CaptureError as exc:
             raise InvalidRequestError(str(exc)) from exc
@@ -237,9 +251,16 @@ class WorkerEngine:
             continued = snapshot.token_ids_delta[split:]
             if len(continued) > request.max_tokens:
                 raise InvalidRequestError("the generation cut is longer than max_tokens")
+        generation = GenerationRequest(
+            prompt_token_ids=tuple(prompt),
+            max_tokens=request.max_tokens,
+            prefix_token_ids=tuple(continued),
+            prefix_weight_version=None if snapshot is None else snapshot.weight_version,
+            stop_token_ids=self.inference.stop_token_ids,
+        )
         return LiveCall(
             call=call,
-            request_prompt=prompt,
+            generation=generation,
             engine_prompt=prompt + continued,
             max_tokens=request.max_tokens,
             continued=len(continued),
@@ -272,7 +293,9 @@ class WorkerEngine:
             raise InvalidRequestError("the staging chain does not end at the parent's chain hash")
         return prefix
 
-    def _remember_finished(self, live: LiveCall, coords: CommitCoords) -> None:
+    def _remember_finished(
+        self, live: LiveCall, coords: CommitCoords, finish_reason: StagedFinishReason
+    ) -> None:
         now = self.clock()
         while self.finished:
             oldest = next(iter(self.finished.values()))
@@ -284,6 +307,7 @@ class WorkerEngine:
             coords=coords,
             generated_count=live.continued + len(live.generated),
             max_tokens=live.max_tokens,
+            finish_reason=finish_reason,
             finished_at=now,
         )
 
@@ -333,6 +357,14 @@ class WorkerEngine:
                 for prefix in prefixes
             ],
         )
+
+
+def _stale(admission: CaptureAdmission, live: LiveCall) -> NoReturn:
+    """Refuse the reply of a call stopped before it was staged (aborted, or given up)."""
+    raise StaleAttemptError(
+        f"model call {admission.model_call_id!r} was aborted after "
+        f"{len(live.generated)} tokens; nothing of it was staged"
+    )
 
 
 def _admission_with_cut(request: CompletionRequest) -> CaptureAdmission | None:

@@ -133,6 +133,7 @@ from ._staging import (
 )
 from ._tokens import decode, encode, render_prompt
 from ._worker_api import (
+    ABORT_CALLS_PATH,
     MAX_COMPLETION_TOKENS,
     AbortCallsReply,
     AbortCallsRequest,
@@ -141,6 +142,7 @@ from ._worker_api import (
 )
 
 __all__ = [
+    "ABORT_CALLS_PATH",
     "ALLOWED_PHASES",
     "CONTROL_PREFIX",
     "COORDINATION_REPLY_SLACK_SECONDS",

@@ -16,6 +16,9 @@ from ._cuts import GenerationCutContinuation
 from ._staging import CaptureAdmission, CommitCoords
 from ._strict import StrictWireModel
 
+ABORT_CALLS_PATH: Final = "/ng-control/v1/abort"
+"""Where a worker stops model calls (control token); the policy server calls it at a retire."""
+
 MAX_COMPLETION_TOKENS: Final = 65536
 MAX_PROMPT_TOKENS: Final = 1_048_576
 

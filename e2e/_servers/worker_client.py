@@ -15,6 +15,7 @@ import httpx
 import structlog
 
 from protocols import (
+    ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
     AbortCallsRequest,
     CaptureAdmission,
@@ -28,7 +29,6 @@ from protocols import (
 
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
-ABORT_PATH: Final = "/ng-control/v1/abort"
 ABORT_TIMEOUT_SECONDS: Final = 30.0
 """An abort waits for a call's final staging at most; a worker that does not answer is down."""
 _log = structlog.get_logger("midflight.policy")
@@ -105,7 +105,7 @@ class HttpCutRequester:
         body = AbortCallsRequest(model_call_ids=model_call_ids)
         try:
             response = await self.client.post(
-                control_root(backend) + ABORT_PATH,
+                control_root(backend) + ABORT_CALLS_PATH,
                 content=body.model_dump_json(),
                 headers={"content-type": "application/json"},
                 timeout=ABORT_TIMEOUT_SECONDS,

@@ -38,6 +38,7 @@ from participants import (
     install_error_envelope,
 )
 from protocols import (
+    ABORT_CALLS_PATH,
     AbortCallsReply,
     AbortCallsRequest,
     CompletionReply,
@@ -56,7 +57,6 @@ from .engine_api import EngineOptions
 from .engines import DEFAULT_ENGINE, build_engine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
-ABORT_ROUTE: Final = "/ng-control/v1/abort"
 DEFAULT_WORKER_PORT: Final = 8701
 
 
@@ -196,7 +196,7 @@ def create_worker_app(
 
         app.include_router(generation_cut_router(cut_and_count, token=settings.control_token))
 
-        @app.post(ABORT_ROUTE, response_model=AbortCallsReply, responses=error_responses(()))
+        @app.post(ABORT_CALLS_PATH, response_model=AbortCallsReply, responses=error_responses(()))
         async def abort(body: AbortCallsRequest) -> AbortCallsReply:
             """Stop these calls; answers once they have left (nothing more of them is staged)."""
             return AbortCallsReply(aborted=await engine.abort(body.model_call_ids))

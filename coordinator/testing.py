@@ -1,7 +1,7 @@
-"""Test hooks of ``coordinator``: fault switches and kill points, for tests and drills only.
+"""Test hooks of ``coordinator``: the publication fault switches, for tests and drills only.
 
-Nothing here belongs in a production server; the names live outside the package's
-curated ``__all__`` so that a user never meets them by accident.
+Nothing here belongs in a training controller; the names live outside the package's curated
+``__all__`` so that a user never meets them by accident.
 """
 
 from __future__ import annotations

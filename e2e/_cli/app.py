@@ -17,6 +17,7 @@ COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cli.drill",
     "e2e._cli.demo",
     "e2e._cli.serve",
+    "e2e._cli.model",
     "e2e._cli.bench",
     "e2e._cli.control",
     "e2e._cli.retention",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, Protocol
 
 StagedFinishReason = Literal["length", "stop"]
@@ -88,10 +89,21 @@ class EngineOptions:
     Attributes:
         seed: The generation seed.
         token_delay_ms: Delay before each generated token (the deterministic engine's pacing).
+        model: The model directory of an engine that loads one (``save_pretrained`` layout);
+            ``None`` for the deterministic engine, and for the transformers engine the tiny model
+            built under the run root.
+        dtype: The floating-point type a model engine computes in: ``float64`` (the default)
+            makes its greedy decoding argmax-stable across batch shapes and prefills, so a
+            continued cut decodes what the uninterrupted call would have (D306); ``float32`` is
+            faster and may diverge after a cut.
+        max_batch: Most calls a batching engine decodes together.
     """
 
     seed: int = 0
     token_delay_ms: float = 2.0
+    model: Path | None = None
+    dtype: str = "float64"
+    max_batch: int = 64
 
 
 class GenerationEngine(Protocol):

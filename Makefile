@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_FLAGS ?=
 
-.PHONY: setup drill demo test lint typecheck pytest docs docs-serve soak lock clean
+.PHONY: setup engine gpu-check drill demo test lint typecheck pytest docs docs-serve soak lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "midflight needs python3 >= 3.11, found " + sys.version.split()[0])'
@@ -17,6 +17,16 @@ $(STAMP): pyproject.toml constraints.txt
 	@touch $(STAMP)
 
 setup: $(STAMP)
+
+## The transformers engine's packages (the `engine` extra): what the fast tier's engine tests need.
+ENGINE_STAMP := $(VENV)/.engine-installed
+
+$(ENGINE_STAMP): $(STAMP)
+	@echo "installing the engine extra (PyTorch CPU, transformers) into $(VENV) (once; about 1 min)..."
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,engine]'
+	@touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP)
 
 ## The main job: the crash-restore drill on its defaults (SIGKILLs real servers, proves exactly-once).
 drill: $(STAMP)
@@ -40,7 +50,7 @@ typecheck: $(STAMP)
 ## Two workers, one test file each at a time (module fixtures start their servers once).
 PYTEST_WORKERS ?= -n 2 --dist loadfile
 
-pytest: $(STAMP)
+pytest: $(ENGINE_STAMP)
 	$(BIN)/pytest -m "not soak" $(PYTEST_WORKERS) $(PYTEST_FLAGS)
 
 docs: $(STAMP)
@@ -49,8 +59,12 @@ docs: $(STAMP)
 docs-serve: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
+## The vLLM engine's drill on a GPU machine (installs the vllm extra into .venv-gpu).
+gpu-check:
+	bash scripts/gpu-check.sh
+
 ## The long tier: many hypothesis examples and the big runs. Not in CI.
-soak: $(STAMP)
+soak: $(ENGINE_STAMP)
 	MIDFLIGHT_SOAK=1 HYPOTHESIS_PROFILE=soak $(BIN)/pytest $(PYTEST_FLAGS)
 
 ## Re-pin constraints.txt from the current .venv (after changing dependencies).

@@ -21,6 +21,7 @@ from .._drill.progress import DrillProgress, is_progress_line
 from .._drill.run import FAULTS, DrillOptions, DrillStalledError, default_concurrency, run_drill
 from .._sequences.cases import NAMED_CASES
 from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
+from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names, load_engine_factory
 from .output import JsonOption, console, emit, error_console, usage_error
 
 
@@ -88,6 +89,9 @@ SHOWN = (
     "held_delivered",
     "cut_continued",
     "extra_tokens_generated",
+    "prefix_mismatches",
+    "continuation_redecode_mismatches",
+    "continuation_divergence",
     "stale_probes",
     "stale_accepted",
     "leftover",
@@ -130,6 +134,27 @@ def refuse_a_drill_that_cannot_pass(checkpoints: int, crashes: int) -> None:
             f"--checkpoints {checkpoints} is fewer than --crashes {crashes}: every crash "
             "restores a checkpoint taken since the one before"
         )
+
+
+MODEL_DTYPES = ("float64", "float32", "bfloat16")
+
+
+def refuse_an_engine_that_cannot_run(engine: str, model: Path | None, dtype: str) -> None:
+    """Refuse an unknown engine, one whose packages are missing, or a model that is not there.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line.
+    """
+    try:
+        load_engine_factory(engine)
+    except EngineError as exc:
+        usage_error(str(exc))
+    if dtype not in MODEL_DTYPES:
+        usage_error(f"unknown dtype {dtype!r}; known: {', '.join(MODEL_DTYPES)}")
+    if engine == DEFAULT_ENGINE and model is not None:
+        usage_error("--model needs a model engine (--engine transformers or vllm)")
+    if model is not None and not (model / "config.json").is_file():
+        usage_error(f"--model {model} holds no config.json (midflight model tiny DIR builds one)")
 
 
 def register(app: typer.Typer) -> None:
@@ -231,6 +256,24 @@ def register(app: typer.Typer) -> None:
         matrix_jobs: Annotated[
             int, typer.Option(min=1, help="Matrix clusters (baseline, cells) run side by side.")
         ] = 1,
+        engine: Annotated[
+            str,
+            typer.Option(
+                metavar="NAME", help=f"The worker's inference engine: {', '.join(engine_names())}."
+            ),
+        ] = DEFAULT_ENGINE,
+        model: Annotated[
+            Path | None,
+            typer.Option(
+                metavar="DIR",
+                help="A model engine's model directory \\[default: the tiny model, built in the "
+                "run's directory].",
+            ),
+        ] = None,
+        dtype: Annotated[
+            str,
+            typer.Option(help="A model engine's floating-point type: float64, float32, bfloat16."),
+        ] = "float64",
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
@@ -246,6 +289,7 @@ def register(app: typer.Typer) -> None:
             usage_error(f"unknown sequence case {sequence_case!r}; known: {sorted(NAMED_CASES)}")
         if sequence_case is not None:
             sequences = 1
+        refuse_an_engine_that_cannot_run(engine, model, dtype)
         if keep_dir is not None:
             refuse_a_used_directory(keep_dir)
         if matrix is None and not sequences:
@@ -266,6 +310,9 @@ def register(app: typer.Typer) -> None:
             resources_mode=resources_mode,
             restart_only_share=restart_only_share,
             processes=processes,
+            engine=engine,
+            model=None if model is None else str(model.resolve()),
+            dtype=dtype,
         )
         if matrix is not None:
             # Matrix cells run one crash each and no restart-only share (their own crash plan).

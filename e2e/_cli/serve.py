@@ -15,13 +15,15 @@ import typer
 from .._launch.serving import run_server
 from .._servers.agent import create_agent_app
 from .._servers.cluster import DEFAULT_NAMES, DEFAULT_PORTS
-from .._servers.context import serve_options_from
+from .._servers.context import active_fault, serve_options_from
 from .._servers.environment import DEFAULT_EPISODE_SECONDS, PeerTimeouts, create_environment_app
 from .._servers.model import create_model_app
 from .._servers.resources import create_resources_app
 from .._worker.app import DEFAULT_WORKER_PORT, WorkerSettings, create_worker_app
 from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names
 from .output import usage_error
+
+DETERMINISTIC_TOKEN_DELAY_MS = 2.0
 
 
 class ServeOptions:
@@ -104,8 +106,13 @@ def _register_worker(serve_app: typer.Typer) -> None:
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
         token_delay_ms: Annotated[
-            float, typer.Option(min=0.0, help="Delay before each generated token.")
-        ] = 2.0,
+            float | None,
+            typer.Option(
+                min=0.0,
+                help="Delay before each generated token (a model engine: a pause before each "
+                "decode step) \\[default: 2 on the deterministic engine, else 0].",
+            ),
+        ] = None,
         seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Generation seed.")] = 0,
         cut_timeout_ms: Annotated[
             float, typer.Option(min=1.0, help="Deadline of one call's generation cut.")
@@ -117,9 +124,28 @@ def _register_worker(serve_app: typer.Typer) -> None:
                 help=f"The inference engine: {', '.join(engine_names())}.",
             ),
         ] = DEFAULT_ENGINE,
+        model: Annotated[
+            Path | None,
+            typer.Option(
+                metavar="DIR",
+                help="The model directory of a model engine (midflight model tiny DIR builds one).",
+            ),
+        ] = None,
+        dtype: Annotated[
+            str,
+            typer.Option(
+                help="A model engine's floating-point type: float64 (argmax-stable), float32, "
+                "bfloat16."
+            ),
+        ] = "float64",
+        max_batch: Annotated[
+            int, typer.Option(min=1, max=4096, help="Most calls a model engine decodes together.")
+        ] = 64,
     ) -> None:
         """The inference worker (default port 8701), on the deterministic engine by default."""
         options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        if token_delay_ms is None:
+            token_delay_ms = DETERMINISTIC_TOKEN_DELAY_MS if engine == DEFAULT_ENGINE else 0.0
         settings = WorkerSettings(
             root=options.root,
             seed=seed,
@@ -128,6 +154,10 @@ def _register_worker(serve_app: typer.Typer) -> None:
             control_token=options.control_token,
             name=name,
             engine=engine,
+            model=model,
+            dtype=dtype,
+            max_batch=max_batch,
+            fault=active_fault(),
         )
         try:
             app = create_worker_app(settings)

@@ -18,6 +18,7 @@ from participants import read_participant_checkpoint
 from protocols import EpisodeId
 
 from .._servers.evidence import read_evidence
+from .continuations import continued_calls, cut_continuations, prefix_mismatches
 from .tokens_of import TokenSequenceError, token_sequence
 
 ERROR_FIGURES: Final = (
@@ -27,6 +28,7 @@ ERROR_FIGURES: Final = (
     "repeated_model_calls",
     "stale_accepted",
     "extra_tokens_generated",
+    "prefix_mismatches",
     "leftover",
 )
 """Any of these non-zero fails the drill."""
@@ -86,16 +88,10 @@ def _delivered_at(
 
 def restored_cuts(checkpoint_dir: Path) -> dict[str, int]:
     """Target capture key → generated tokens of the durable cut a restore hands to it."""
-    cuts: dict[str, int] = {}
-    for manifest in (checkpoint_dir / "gym" / "model").glob("*/manifest.json"):
-        share = read_participant_checkpoint(
-            manifest.parent, kind="model", instance=manifest.parent.name
-        )
-        for record in share.records:
-            target = EpisodeId.model_validate(record["episode_id"]).next_attempt().capture_key
-            for cut in record.get("generation_cuts", []):
-                cuts[target] = int(cut["continuation"]["prefix_token_count"])
-    return cuts
+    return {
+        target: int(continuation["prefix_token_count"])
+        for target, continuation in cut_continuations(checkpoint_dir)
+    }
 
 
 def extra_tokens_generated(
@@ -141,6 +137,10 @@ class Figures:
         """Why the run fails: error figures, or too little activity to prove anything."""
         v = self.values
         reasons = [f"{name} = {v[name]}" for name in ERROR_FIGURES if v.get(name)]
+        if v.get("redecode_must_match") and v.get("continuation_redecode_mismatches"):
+            reasons.append(
+                f"continuation_redecode_mismatches = {v['continuation_redecode_mismatches']}"
+            )
         if v["checkpoints"] < MIN_CHECKPOINTS:
             reasons.append(f"only {v['checkpoints']} checkpoints (need {MIN_CHECKPOINTS})")
         if v["crashes"] < MIN_CRASHES:
@@ -359,6 +359,7 @@ def compute_figures(
         "held_delivered": sum(1 for e in egress if e.get("held")),
         "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),
         "extra_tokens_generated": extra_tokens_generated(restores, worker),
+        "prefix_mismatches": prefix_mismatches(continued_calls(run_root)),
         "stale_probes": len(probes),
         "stale_probes_per_crash": [probes_per_crash[i] for i in range(1, len(crashes) + 1)],
         "stale_accepted": sum(1 for p in probes if p.get("accepted")),

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -29,6 +29,7 @@ from protocols import MidflightError
 from .._launch.lifeline import Lifeline
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
 from .._servers.evidence import EvidenceLog
+from .continuations import model_engine_figures
 from .oracle import Figures, compute_figures, rollout_outcomes
 
 FAULTS = {
@@ -37,8 +38,10 @@ FAULTS = {
     "no-restore-fence": "stale_accepted",
     "export-undelivered": "repeated_model_calls",
     "ignore-cuts": "extra_tokens_generated",
+    "continue-without-prefix": "continuation_redecode_mismatches",
 }
-"""Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``)."""
+"""Fault switch → the figure it must turn non-zero (skip-ledger-import: or ``lost``;
+continue-without-prefix: on a model engine, and ``token_mismatches`` on the deterministic one)."""
 
 RESTART_AGENT: Final = "agent-restart"
 RESTART_ENVIRONMENT: Final = "environment-restart"
@@ -80,6 +83,24 @@ class DrillOptions:
     restart_only_share: float = 0.2
     processes: int = 1
     """``--processes``: shard processes per server but the inference worker (1: none)."""
+    engine: str = "deterministic"
+    """``--engine``: the inference worker's engine."""
+    model: str | None = None
+    """``--model``: the model directory of a model engine (the tiny model, built, when none)."""
+    dtype: str = "float64"
+    """``--dtype``: a model engine's floating-point type."""
+
+    @property
+    def model_engine(self) -> bool:
+        """Whether the worker runs a real model (every engine but the deterministic one)."""
+        return self.engine != "deterministic"
+
+    def worker_options(self) -> dict[str, Any]:
+        """The worker's role options: the deterministic engine's stay as they always were."""
+        options: dict[str, Any] = {"token_delay_ms": self.token_delay_ms, "seed": self.seed}
+        if self.model_engine:
+            options.update(engine=self.engine, model=self.model, dtype=self.dtype)
+        return options
 
     def task_input(self) -> dict[str, int]:
         """The counter task every rollout runs (what its tokens and reward depend on)."""
@@ -249,7 +270,7 @@ def run_cluster(
         )
     supervisor_options = SupervisorOptions(
         role_options={
-            "worker": {"token_delay_ms": options.token_delay_ms, "seed": options.seed},
+            "worker": options.worker_options(),
             "resources": {"mode": options.resources_mode, "verify": options.verify, **shards},
             **{role: dict(shards) for role in MULTI_PROCESS_ROLES if role != "resources"},
         },
@@ -294,8 +315,21 @@ BASELINE_MARKER = "baseline.json"
 
 
 def baseline_key(options: DrillOptions) -> dict[str, Any]:
-    """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing."""
-    return {"rollouts": options.rollouts, **options.task_input()}
+    """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing.
+
+    A model engine's outcomes also depend on the model (its files' digest) and its dtype.
+    """
+    key: dict[str, Any] = {"rollouts": options.rollouts, **options.task_input()}
+    if options.model_engine:
+        from .._worker.tiny_model import directory_digest
+
+        model = Path(options.model) if options.model else None
+        key.update(
+            engine=options.engine,
+            dtype=options.dtype,
+            model_digest=directory_digest(model) if model and model.is_dir() else None,
+        )
+    return key
 
 
 def _baseline(
@@ -328,6 +362,14 @@ def _baseline(
     return wall
 
 
+def build_drill_model(directory: Path, on_line: Callable[[str], None]) -> Path:
+    """The tiny model a model engine's drill runs when ``--model`` names none."""
+    from .._worker.tiny_model import build_tiny_model
+
+    on_line(f"building the tiny model in {directory}")
+    return build_tiny_model(directory).directory
+
+
 def run_drill(
     options: DrillOptions,
     work: Path,
@@ -348,6 +390,8 @@ def run_drill(
         ValueError: ``baseline_dir`` holds a baseline of other rollouts or task input.
     """
     token = secrets.token_urlsafe(24)
+    if options.model_engine and options.model is None:
+        options = replace(options, model=str(build_drill_model(work / "model", on_line)))
     directory = baseline_dir if baseline_dir is not None else work / "baseline"
     baseline_wall = _baseline(options, directory, baseline_dir is not None, token, on_line)
     baseline = rollout_outcomes(directory)
@@ -362,7 +406,15 @@ def run_drill(
     )
     on_line("computing the figures from evidence")
     figures = compute_figures(work / "run", baseline, rollouts=options.rollouts)
+    if options.model_engine:
+        assert options.model is not None
+        figures.values.update(
+            model_engine_figures(work / "run", Path(options.model), options.engine, options.dtype)
+        )
     figures.values["wall_s"] = round(time.monotonic() - started, 3)
     figures.values["baseline_wall_s"] = round(baseline_wall, 3)
     figures.values["fault"] = options.fault
+    figures.values["engine"] = options.engine
+    if options.model_engine:
+        figures.values["dtype"] = options.dtype
     return figures

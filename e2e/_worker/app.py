@@ -58,6 +58,8 @@ from .engines import DEFAULT_ENGINE, build_engine
 
 CONTROL_ROUTE_PREFIX: Final = "/ng-control/"
 DEFAULT_WORKER_PORT: Final = 8701
+CONTINUE_WITHOUT_PREFIX: Final = "continue-without-prefix"
+"""The worker's fault switch: continued calls decode without their durable prefix."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,10 @@ class WorkerSettings:
         control_token: The bearer token of the cut route; ``None`` installs no control route.
         name: The server's name.
         engine: The inference engine's name in :data:`~e2e._worker.engines.ENGINES`.
+        model: The model directory of an engine that loads one.
+        dtype: The floating-point type of a model engine.
+        max_batch: Most calls a batching engine decodes together.
+        fault: The drill fault switch the worker runs with (``continue-without-prefix``).
     """
 
     root: Path
@@ -82,6 +88,10 @@ class WorkerSettings:
     control_token: str | None = None
     name: str = "worker"
     engine: str = DEFAULT_ENGINE
+    model: Path | None = None
+    dtype: str = "float64"
+    max_batch: int = 64
+    fault: str | None = None
 
 
 class _BearerGuard:
@@ -118,7 +128,14 @@ def create_worker_app(
         EngineError: ``settings.engine`` names no engine, or its packages are not installed.
     """
     inference = build_engine(
-        settings.engine, EngineOptions(seed=settings.seed, token_delay_ms=settings.token_delay_ms)
+        settings.engine,
+        EngineOptions(
+            seed=settings.seed,
+            token_delay_ms=settings.token_delay_ms,
+            model=settings.model,
+            dtype=settings.dtype,
+            max_batch=settings.max_batch,
+        ),
     )
     engine = WorkerEngine(
         store=store or FileTokenStagingStore(settings.root / "staging"),
@@ -126,6 +143,7 @@ def create_worker_app(
         inference=inference,
         cut_timeout_ms=settings.cut_timeout_ms,
         name=settings.name,
+        forget_prefix=settings.fault == CONTINUE_WITHOUT_PREFIX,
     )
 
     @contextlib.asynccontextmanager

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Final, NoReturn
 
 import anyio
@@ -99,6 +99,9 @@ class WorkerEngine:
         cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
         name: The worker's name, part of receipt snapshot ids.
         clock: Monotonic seconds, injectable for tests.
+        forget_prefix: Fault switch ``continue-without-prefix``: the inference engine is handed
+            a continued call without its durable prefix (what an engine that skips the prefix's
+            prefill would decode); the drill's re-decoding must catch it.
     """
 
     store: TokenStagingStore
@@ -107,6 +110,7 @@ class WorkerEngine:
     cut_timeout_ms: float = 5000.0
     name: str = "worker"
     clock: Callable[[], float] = time.monotonic
+    forget_prefix: bool = False
     live: dict[str, LiveCall] = field(default_factory=dict)
     finished: OrderedDict[str, Finished] = field(default_factory=OrderedDict)
 
@@ -164,6 +168,7 @@ class WorkerEngine:
                 "model_call_id": admission.model_call_id,
                 "tokens_generated": len(live.generated),
                 "tokens_continued": live.continued,
+                "max_tokens": live.max_tokens,
                 "continued_from": None if cut is None else cut.source_model_call_id,
                 "source_capture_key": None if cut is None else cut.source_capture_key,
                 "disposition": coords.disposition,
@@ -192,6 +197,8 @@ class WorkerEngine:
         finished = prefix_finish(request)
         if finished is not None:
             return finished
+        if self.forget_prefix and request.prefix_token_ids:
+            request = replace(request, prefix_token_ids=(), max_tokens=request.remaining_tokens)
         return await self.inference.generate(request, tokens)
 
     async def abort(self, model_call_ids: Sequence[str]) -> list[str]:

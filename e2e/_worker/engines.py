@@ -44,6 +44,11 @@ ENGINES: Final[dict[str, EngineEntry]] = {
         extra=None,
         summary="the contract's generation function (no package needed)",
     ),
+    "transformers": EngineEntry(
+        factory="e2e._worker.transformers_engine:build_transformers_engine",
+        extra="engine",
+        summary="a transformers causal LM decoding greedily on the CPU (--model DIR)",
+    ),
 }
 """Every engine by name; the first is the default."""
 

@@ -14,7 +14,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
+
 from e2e._launch.lifeline import Lifeline
+from protocols import GenerationCutInventory, GenerationCutPrefix, GenerationCutReceipt
 
 _LISTENING = re.compile(rb"listening on (http://127\.0\.0\.1:\d+)")
 
@@ -73,3 +76,28 @@ def kill_group(process: subprocess.Popen[bytes]) -> None:
     process.wait(timeout=30)
     if process.stdout is not None:
         process.stdout.close()
+
+
+async def cut_one_call(
+    client: httpx.AsyncClient, token: str, *, rollout_id: str, model_call_id: str
+) -> GenerationCutReceipt:
+    """Ask a real worker for a generation cut of one running call; its validated receipt."""
+    prefix = GenerationCutPrefix(
+        ticket_id="t1",
+        rollout_id=rollout_id,
+        attempt=0,
+        model_call_id=model_call_id,
+        admitted_at=2.5,
+    )
+    inventory = GenerationCutInventory.build(
+        checkpoint_id="ckpt-1", server_name="policy", active_prefixes=[prefix]
+    )
+    reply = await client.post(
+        "/ng-control/v1/generation-cut",
+        content=inventory.model_dump_json(),
+        headers={"authorization": f"Bearer {token}", "content-type": "application/json"},
+    )
+    assert reply.status_code == 200, reply.text
+    receipt = GenerationCutReceipt.model_validate_json(reply.content)
+    receipt.validate_for(inventory)
+    return receipt

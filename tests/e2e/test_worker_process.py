@@ -13,13 +13,10 @@ import pytest
 from e2e._worker.app import read_worker_evidence
 from e2e._worker.generation import generate_tokens
 from protocols import (
-    GenerationCutInventory,
-    GenerationCutPrefix,
-    GenerationCutReceipt,
     encode,
     render_prompt,
 )
-from tests.e2e.processes import kill_group, serve
+from tests.e2e.processes import cut_one_call, kill_group, serve
 
 pytestmark = [pytest.mark.process, pytest.mark.anyio]
 TOKEN = "process-test-token"
@@ -67,23 +64,7 @@ async def test_a_cut_survives_sigkill_and_a_fresh_worker_generates_only_the_rest
                     while (await client.get("/healthz")).json()["in_flight"] < 1:  # noqa: ASYNC110
                         await anyio.sleep(0.01)
                 await anyio.sleep(0.2)  # let a few tokens decode
-                prefix = GenerationCutPrefix(
-                    ticket_id="t1", rollout_id="p1", attempt=0, model_call_id="c1", admitted_at=2.5
-                )
-                inventory = GenerationCutInventory.build(
-                    checkpoint_id="ckpt-1", server_name="policy", active_prefixes=[prefix]
-                )
-                reply = await client.post(
-                    "/ng-control/v1/generation-cut",
-                    content=inventory.model_dump_json(),
-                    headers={
-                        "authorization": f"Bearer {TOKEN}",
-                        "content-type": "application/json",
-                    },
-                )
-                assert reply.status_code == 200, reply.text
-                receipt = GenerationCutReceipt.model_validate_json(reply.content)
-                receipt.validate_for(inventory)
+                receipt = await cut_one_call(client, TOKEN, rollout_id="p1", model_call_id="c1")
                 kill_group(process)  # the crash: mid-decode, right after the receipt
     [ack] = receipt.prefixes
     assert ack.disposition == "durable_prefix" and ack.cut_kind == "active_prefix"

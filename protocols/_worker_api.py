@@ -30,7 +30,8 @@ class CompletionRequest(StrictWireModel):
 
     Attributes:
         prompt_token_ids: The rendered prompt (bytes).
-        max_tokens: The call's output limit; the worker generates exactly this many tokens.
+        max_tokens: The call's output limit, a continued cut's prefix counted: the worker generates
+            at most this many tokens (fewer when a stop token ends the call).
         ng_capture: The model server's admission; without it nothing is staged.
         ng_generation_cut: A durable prefix to continue; the same as ``ng_capture.generation_cut``
             when both are given.

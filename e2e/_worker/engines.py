@@ -49,6 +49,11 @@ ENGINES: Final[dict[str, EngineEntry]] = {
         extra="engine",
         summary="a transformers causal LM decoding greedily on the CPU (--model DIR)",
     ),
+    "vllm": EngineEntry(
+        factory="e2e._worker.vllm_engine:build_vllm_engine",
+        extra="vllm",
+        summary="vLLM's async engine on a GPU, greedy, over --model DIR",
+    ),
 }
 """Every engine by name; the first is the default."""
 

@@ -7,10 +7,12 @@ model (``midflight model tiny``) built once for the module.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
+from e2e._drill.continuations import continued_calls, prefix_mismatches
 from e2e._drill.oracle import ERROR_FIGURES
 from e2e._drill.run import FAULTS
 from e2e._worker.tiny_model import build_tiny_model
@@ -48,6 +50,14 @@ def test_the_drill_on_the_real_model_is_green_and_its_continuations_re_decode(
     assert figures["continuation_redecode_mismatches"] == 0 and figures["redecode_must_match"]
     assert figures["continuation_divergence"] == 0  # float64: argmax-stable (D306)
     assert figures["model"]["parameters"] > 100_000
+    # The calls the oracle checked, rebuilt from the store: each starts with its durable prefix,
+    # and one whose completion lost a prefix token is counted.
+    calls = continued_calls(tmp_path / "run")
+    assert len(calls) == figures["cut_continued"] and all(c.prefix for c in calls)
+    assert prefix_mismatches(calls) == 0
+    first = calls[0]
+    broken = dataclasses.replace(first, completion=first.completion[1:])
+    assert prefix_mismatches([broken, *calls[1:]]) == 1
 
 
 def test_a_worker_that_continues_without_the_prefix_is_caught_by_re_decoding(

@@ -133,7 +133,15 @@ async def test_a_continuation_decodes_only_after_prompt_plus_prefix(model: Loade
     async with engine.running():
         assert await engine.generate(request, sink) == "length"
     assert sink.tokens == whole[17:]  # exactly the rest: max_tokens counts the prefix
-    assert all(p <= 0.0 for p in sink.log_probs)
+    # A token's log-prob is its log-softmax over the tokens the model may output (D313).
+    import torch
+
+    with torch.inference_mode():
+        logits = model.model(input_ids=torch.tensor([prompt + whole[:17]])).logits[0, -1]
+    allowed = model.output_token_ids
+    assert allowed is not None and STOP_TOKEN in allowed.tolist() and len(allowed) == 38
+    expected = torch.log_softmax(logits[allowed], dim=-1)[allowed.tolist().index(whole[17])]
+    assert sink.log_probs[0] == pytest.approx(float(expected), abs=1e-9)
 
 
 async def test_a_cancelled_call_leaves_the_batch_before_its_cancellation_propagates(

@@ -48,3 +48,15 @@ def build_recording_engine(options: EngineOptions) -> RecordingEngine:
         stop_token_ids=frozenset({STOP_TOKEN}),
     )
     return RecordingEngine(inner)
+
+
+class Sink:
+    """A call's buffer, as the worker keeps it (every engine test's :class:`TokenSink`)."""
+
+    def __init__(self) -> None:
+        self.token_ids: list[int] = []
+        self.log_probs: list[float] = []
+
+    def append(self, token_id: int, log_prob: float) -> None:
+        self.token_ids.append(token_id)
+        self.log_probs.append(log_prob)

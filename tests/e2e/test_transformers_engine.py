@@ -24,6 +24,7 @@ from protocols import (
     encode,
     render_prompt,
 )
+from tests.e2e.engine_fakes import Sink
 from tests.e2e.processes import cut_one_call, kill_group, serve
 
 pytestmark = pytest.mark.anyio
@@ -50,16 +51,6 @@ def _prompt(user: str) -> list[int]:
     return encode(
         render_prompt([{"role": "system", "content": "counter"}, {"role": "user", "content": user}])
     )
-
-
-class _Sink:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.log_probs: list[float] = []
-
-    def append(self, token_id: int, log_prob: float) -> None:
-        self.tokens.append(token_id)
-        self.log_probs.append(log_prob)
 
 
 def test_the_tiny_model_is_reproducible_byte_for_byte_and_its_tokens_are_bytes(
@@ -123,7 +114,7 @@ async def test_a_continuation_decodes_only_after_prompt_plus_prefix(model: Loade
     prompt = _prompt("p0 3")
     whole = greedy_decode(model, prompt, MAX_TOKENS, model.stop_token_ids)
     assert len(whole) == MAX_TOKENS  # this prompt runs to max_tokens (the tiny model is seeded)
-    sink = _Sink()
+    sink = Sink()
     request = GenerationRequest(
         prompt_token_ids=tuple(prompt),
         max_tokens=MAX_TOKENS,
@@ -132,7 +123,7 @@ async def test_a_continuation_decodes_only_after_prompt_plus_prefix(model: Loade
     )
     async with engine.running():
         assert await engine.generate(request, sink) == "length"
-    assert sink.tokens == whole[17:]  # exactly the rest: max_tokens counts the prefix
+    assert sink.token_ids == whole[17:]  # exactly the rest: max_tokens counts the prefix
     # A token's log-prob is its log-softmax over the tokens the model may output (D313).
     import torch
 
@@ -156,7 +147,7 @@ async def test_a_cancelled_call_leaves_the_batch_before_its_cancellation_propaga
         )
         for i in range(2)
     ]
-    sinks = [_Sink(), _Sink()]
+    sinks = [Sink(), Sink()]
     async with engine.running():
         doomed = anyio.CancelScope()
 
@@ -168,7 +159,7 @@ async def test_a_cancelled_call_leaves_the_batch_before_its_cancellation_propaga
             group.start_soon(cancelled_call)
             group.start_soon(functools.partial(engine.generate, requests[1], sinks[1]))
             with anyio.fail_after(30):
-                while len(sinks[0].tokens) < 3:  # noqa: ASYNC110 - the scheduler's own pace
+                while len(sinks[0].token_ids) < 3:  # noqa: ASYNC110 - the scheduler's own pace
                     await anyio.sleep(0.005)
             doomed.cancel()
             with anyio.fail_after(30):
@@ -177,9 +168,9 @@ async def test_a_cancelled_call_leaves_the_batch_before_its_cancellation_propaga
             rows = [slot.request for slot in engine._rows]
             assert requests[0] not in rows  # freed before the cancellation reached its caller
             assert engine._batch is not None and engine._batch.rows == 1
-            stopped_at = len(sinks[0].tokens)
-    assert len(sinks[1].tokens) == MAX_TOKENS
-    assert len(sinks[0].tokens) == stopped_at < MAX_TOKENS
+            stopped_at = len(sinks[0].token_ids)
+    assert len(sinks[1].token_ids) == MAX_TOKENS
+    assert len(sinks[0].token_ids) == stopped_at < MAX_TOKENS
 
 
 async def test_a_call_longer_than_the_models_positions_is_a_typed_422(

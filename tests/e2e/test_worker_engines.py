@@ -16,7 +16,7 @@ from e2e._worker.deterministic import DeterministicEngine
 from e2e._worker.engine_api import GenerationRequest, prefix_finish
 from e2e._worker.engines import ENGINES, EngineEntry, EngineError, load_engine_factory
 from e2e._worker.generation import generate_tokens
-from tests.e2e.engine_fakes import RECORDING_ENTRY, STOP_TOKEN, RecordingEngine
+from tests.e2e.engine_fakes import RECORDING_ENTRY, STOP_TOKEN, RecordingEngine, Sink
 from tests.e2e.test_worker import PROMPT, _body, _cut, worker
 
 pytestmark = pytest.mark.anyio
@@ -26,18 +26,6 @@ PROMPT_IDS = tuple(PROMPT)
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Sink:
-    """A call's buffer, as the worker keeps it."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.log_probs: list[float] = []
-
-    def append(self, token_id: int, log_prob: float) -> None:
-        self.token_ids.append(token_id)
-        self.log_probs.append(log_prob)
 
 
 # --- the contract on the deterministic engine ---------------------------------------------------

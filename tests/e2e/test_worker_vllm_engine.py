@@ -32,6 +32,7 @@ from e2e._worker.vllm_mapping import (
     sampling_kwargs,
     stream_call,
 )
+from tests.e2e.engine_fakes import Sink
 
 pytestmark = pytest.mark.anyio
 PROMPT = tuple(b"\x02user: count\x03")
@@ -42,18 +43,6 @@ STOP = frozenset({STOP_TOKEN})
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Sink:
-    """A call's buffer, as the worker keeps it."""
-
-    def __init__(self) -> None:
-        self.token_ids: list[int] = []
-        self.log_probs: list[float] = []
-
-    def append(self, token_id: int, log_prob: float) -> None:
-        self.token_ids.append(token_id)
-        self.log_probs.append(log_prob)
 
 
 def delta(token_ids: Sequence[int], finish: str | None = None) -> Any:

@@ -55,12 +55,10 @@ class ContinuedCall:
 
 def _split(record: StagedCallRecord) -> tuple[list[int], list[int]]:
     """A record's delta as (prompt tokens, generated tokens), by mask."""
-    prompt = [
-        t for t, m in zip(record.token_ids_delta, record.token_mask_delta, strict=True) if m == 0
-    ]
-    generated = [
-        t for t, m in zip(record.token_ids_delta, record.token_mask_delta, strict=True) if m != 0
-    ]
+    prompt: list[int] = []
+    generated: list[int] = []
+    for token, mask in zip(record.token_ids_delta, record.token_mask_delta, strict=True):
+        (generated if mask else prompt).append(token)
     return prompt, generated
 
 
@@ -146,7 +144,9 @@ def prefix_mismatches(calls: Sequence[ContinuedCall]) -> int:
     return sum(1 for call in calls if not call.prefix_kept)
 
 
-def model_engine_figures(run_root: Path, model: Path, engine: str, dtype: str) -> dict[str, Any]:
+def model_engine_figures(
+    calls: Sequence[ContinuedCall], model: Path, engine: str, dtype: str
+) -> dict[str, Any]:
     """Re-decode every continued call on ``model`` (the transformers engine, alone, in ``dtype``).
 
     Returns:
@@ -154,11 +154,10 @@ def model_engine_figures(run_root: Path, model: Path, engine: str, dtype: str) -
         ``continuation_divergence``, ``redecode_must_match`` (whether a re-decode mismatch fails
         the drill: the transformers engine in ``float64``) and the model's summary.
     """
-    from .._worker.transformers_engine import DTYPES, LoadedModel, greedy_decode, model_summary
+    from .._worker.transformers_decode import DTYPES, LoadedModel, greedy_decode, model_summary
 
     loaded = LoadedModel(model, dtype if dtype in DTYPES else "float32")
     stops = loaded.stop_token_ids
-    calls = continued_calls(run_root)
     redecode = divergence = checked = 0
     for call in calls:
         limit = call.max_tokens

@@ -26,8 +26,9 @@ from participants.testing import KILL_FILE_ENV, KILL_POINT_ENV, TEST_HOOKS_ENV
 from .._launch.supervisor import Supervisor, SupervisorOptions
 from .._servers.cluster import DEFAULT_NAMES
 from .._servers.evidence import EvidenceLog, read_evidence
+from .driver_process import DriverProcess
 from .oracle import ERROR_FIGURES, RolloutOutcome, compute_figures, rollout_outcomes
-from .run import DrillOptions, DriverProcess, run_cluster
+from .run import DrillOptions, run_cluster
 
 SERVERS: Final = tuple(
     DEFAULT_NAMES[role] for role in ("environment", "model", "agent", "resources")

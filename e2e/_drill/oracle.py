@@ -18,7 +18,7 @@ from participants import read_participant_checkpoint
 from protocols import EpisodeId
 
 from .._servers.evidence import read_evidence
-from .continuations import continued_calls, cut_continuations, prefix_mismatches
+from .continuations import ContinuedCall, continued_calls, cut_continuations, prefix_mismatches
 from .tokens_of import TokenSequenceError, token_sequence
 
 ERROR_FIGURES: Final = (
@@ -287,9 +287,18 @@ def calls_by_incarnation(
 
 
 def compute_figures(
-    run_root: Path, baseline: Mapping[str, RolloutOutcome], *, rollouts: int
+    run_root: Path,
+    baseline: Mapping[str, RolloutOutcome],
+    *,
+    rollouts: int,
+    continued: Sequence[ContinuedCall] | None = None,
 ) -> Figures:
-    """Every figure of one drill run against its baseline."""
+    """Every figure of one drill run against its baseline.
+
+    Args:
+        continued: The run's continued calls when the caller already rebuilt them
+            (:func:`continued_calls`, which reads the staging store); rebuilt here otherwise.
+    """
     driver = read_evidence(run_root / "evidence" / "driver.jsonl")
     policy = read_evidence(run_root / "evidence" / "policy.jsonl")
     worker = read_evidence(run_root / "evidence" / "worker.jsonl")
@@ -359,7 +368,9 @@ def compute_figures(
         "held_delivered": sum(1 for e in egress if e.get("held")),
         "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),
         "extra_tokens_generated": extra_tokens_generated(restores, worker),
-        "prefix_mismatches": prefix_mismatches(continued_calls(run_root)),
+        "prefix_mismatches": prefix_mismatches(
+            continued if continued is not None else continued_calls(run_root)
+        ),
         "stale_probes": len(probes),
         "stale_probes_per_crash": [probes_per_crash[i] for i in range(1, len(crashes) + 1)],
         "stale_accepted": sum(1 for p in probes if p.get("accepted")),

@@ -9,27 +9,21 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import secrets
-import selectors
 import shutil
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
 from protocols import MidflightError
 
-from .._launch.lifeline import Lifeline
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
 from .._servers.evidence import EvidenceLog
-from .continuations import model_engine_figures
+from .continuations import continued_calls, model_engine_figures
+from .driver_process import DriverProcess
 from .oracle import Figures, compute_figures, rollout_outcomes
 
 FAULTS = {
@@ -132,94 +126,6 @@ def restart_only_rollouts(rollouts: list[str], share: float) -> list[str]:
         return []
     count = min(len(rollouts), max(1, round(share * len(rollouts))))
     return [rollouts[(k * len(rollouts)) // count] for k in range(count)]
-
-
-class DriverProcess:
-    """One controller incarnation as its own process group, spoken to through stdout lines."""
-
-    def __init__(
-        self,
-        root: Path,
-        cluster: Path,
-        plan: dict[str, Any],
-        env: dict[str, str],
-        *,
-        command: str = "drill-driver",
-    ) -> None:
-        plan_path = root / f"plan-{plan['phase']}.json"
-        plan_path.write_text(json.dumps(plan))
-        log = open(root / "logs" / f"driver-{plan['phase']}.log", "ab")  # noqa: SIM115
-        self._log = log
-        self.lifeline = Lifeline()  # the controller dies with the drill, however it dies (D242)
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "e2e",
-                command,
-                "--root",
-                str(root),
-                "--cluster",
-                str(cluster),
-                "--plan",
-                str(plan_path),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=log,
-            stdin=subprocess.DEVNULL,
-            env={**os.environ, **env, **self.lifeline.env},
-            start_new_session=True,
-            pass_fds=self.lifeline.pass_fds,
-        )
-        self.lifeline.started()
-        self._buffer = b""
-
-    def lines(self, timeout: float, on_line: Callable[[str], None]) -> Iterator[str]:
-        """The lines the process prints (each passed to ``on_line`` first), until it closes its
-        output or ``timeout`` passes; what follows the last line read stays buffered."""
-        assert self.process.stdout is not None
-        deadline = time.monotonic() + timeout
-        with selectors.DefaultSelector() as selector:
-            selector.register(self.process.stdout, selectors.EVENT_READ)
-            while (remaining := deadline - time.monotonic()) > 0:
-                while b"\n" in self._buffer:
-                    line, self._buffer = self._buffer.split(b"\n", 1)
-                    text = line.decode(errors="replace").strip()
-                    on_line(text)
-                    yield text
-                if not selector.select(remaining):
-                    continue
-                chunk = os.read(self.process.stdout.fileno(), 4096)
-                if not chunk:
-                    return
-                self._buffer += chunk
-
-    def wait_for(self, word: str, timeout: float, on_line: Callable[[str], None]) -> bool:
-        """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
-        return any(text == word for text in self.lines(timeout, on_line))
-
-    def wait_for_progressing(self, word: str, stall: float, on_line: Callable[[str], None]) -> bool:
-        """:meth:`wait_for`, but ``stall`` bounds the silence between two lines, not the whole
-        wait: a phase of a thousand rollouts may take long while it keeps printing progress."""
-        while True:
-            read = False
-            for text in self.lines(stall, on_line):
-                if text == word:
-                    return True
-                read = True
-                break  # a line came: the next one gets a whole stall again
-            if not read:
-                return False  # silent for the whole stall, or the process ended
-
-    def kill(self) -> None:
-        """SIGKILL the controller's process group."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.lifeline.cut()
-        self.process.wait(timeout=30)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        self._log.close()
 
 
 def _phase_checkpoints(options: DrillOptions) -> list[int]:
@@ -405,11 +311,14 @@ def run_drill(
         on_line=on_line,
     )
     on_line("computing the figures from evidence")
-    figures = compute_figures(work / "run", baseline, rollouts=options.rollouts)
+    continued = continued_calls(work / "run")  # read from the store once, for both checks
+    figures = compute_figures(
+        work / "run", baseline, rollouts=options.rollouts, continued=continued
+    )
     if options.model_engine:
         assert options.model is not None
         figures.values.update(
-            model_engine_figures(work / "run", Path(options.model), options.engine, options.dtype)
+            model_engine_figures(continued, Path(options.model), options.engine, options.dtype)
         )
     figures.values["wall_s"] = round(time.monotonic() - started, 3)
     figures.values["baseline_wall_s"] = round(baseline_wall, 3)

@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from e2e._cli.app import build_app
-from e2e._drill.run import DrillStalledError, DriverProcess, default_concurrency
+from e2e._drill.driver_process import DriverProcess
+from e2e._drill.run import DrillStalledError, default_concurrency
 
 
 def test_large_drills_run_a_quarter_of_their_rollouts_at_once() -> None:

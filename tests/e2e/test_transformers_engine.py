@@ -18,7 +18,8 @@ import pytest
 from e2e._worker.app import WorkerSettings, create_worker_app, read_worker_evidence
 from e2e._worker.engine_api import GenerationRequest
 from e2e._worker.tiny_model import ENGINE_FILE, STOP_TOKEN, build_tiny_model
-from e2e._worker.transformers_engine import LoadedModel, TransformersEngine, greedy_decode
+from e2e._worker.transformers_decode import LoadedModel, greedy_decode
+from e2e._worker.transformers_engine import TransformersEngine
 from participants import FileTokenStagingStore, rebuild_generation_cut
 from protocols import (
     encode,

@@ -21,6 +21,7 @@ COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cli.bench",
     "e2e._cli.control",
     "e2e._cli.retention",
+    "e2e._cli.trace",
 )
 """Modules that each add their commands (``register(app)``), in the order of ``midflight --help``."""
 

@@ -10,14 +10,17 @@
   call, blockers handed back when a participant stays blocked;
 - :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
   clean-up of what was published;
-- :class:`LedgerClient`: the client of a model server's capture-ledger routes.
+- :class:`LedgerClient`: the client of a model server's capture-ledger routes;
+- :func:`checkpoint_trace`: one checkpoint as one OpenTelemetry trace, for a controller that
+  drives the operations itself (:func:`checkpoint` opens it on its own).
 """
 
 from ._checkpoint import CheckpointOutcome, checkpoint
 from ._client import ControlClient, NotAParticipantError
 from ._discovery import discover
-from ._fixed_order import CoordinationError, Coordinator, Member, PrepareResult
+from ._fixed_order import Coordinator, PrepareResult
 from ._ledger_client import LedgerClient
+from ._members import CoordinationError, Member
 from ._publish import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
@@ -36,6 +39,7 @@ from ._retention import (
     unpin_checkpoint,
     verify_checkpoint,
 )
+from ._tracing import CheckpointTrace, checkpoint_trace
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",
@@ -43,6 +47,7 @@ __all__ = [
     "LATEST_FILE",
     "CheckpointManifest",
     "CheckpointOutcome",
+    "CheckpointTrace",
     "ControlClient",
     "CoordinationError",
     "Coordinator",
@@ -54,6 +59,7 @@ __all__ = [
     "PublishedParticipant",
     "checkpoint",
     "checkpoint_directory",
+    "checkpoint_trace",
     "collect_garbage",
     "discover",
     "pin_checkpoint",

@@ -26,7 +26,8 @@ from protocols import (
     ParticipantKind,
 )
 
-from ._fixed_order import CoordinationError, Coordinator, PrepareResult
+from ._fixed_order import Coordinator, PrepareResult
+from ._members import CoordinationError
 from ._publish import (
     CHECKPOINT_FILE,
     LATEST_FILE,
@@ -34,6 +35,7 @@ from ._publish import (
     checkpoint_directory,
     publish_checkpoint,
 )
+from ._tracing import checkpoint_trace
 
 _SCOPE_KINDS: Final[tuple[ParticipantKind, ...]] = ("environment",)
 """The participants whose export is the default scope of a checkpoint."""
@@ -144,6 +146,36 @@ async def checkpoint(
         CoordinationError: A participant failed (everyone was resumed before raising).
         InvalidCheckpointStateError: Publication found a missing or changed manifest.
     """
+    with checkpoint_trace(checkpoint_id, participants=len(coordinator.members)) as traced:
+        outcome = await _checkpoint(
+            coordinator,
+            root,
+            checkpoint_id,
+            deadline_seconds=deadline_seconds,
+            episodes=episodes,
+            controller_state=controller_state,
+            fault=fault,
+            traceparent=traced.traceparent,
+        )
+        traced.record(
+            published=outcome.published,
+            rollouts=None if outcome.manifest is None else len(outcome.manifest.continued),
+            blockers=sum(len(keys) for keys in outcome.prepare.blockers().values()),
+        )
+        return outcome
+
+
+async def _checkpoint(
+    coordinator: Coordinator,
+    root: Path,
+    checkpoint_id: str,
+    *,
+    deadline_seconds: float,
+    episodes: Sequence[EpisodeId] | None,
+    controller_state: JsonValue,
+    fault: str | None,
+    traceparent: str | None,
+) -> CheckpointOutcome:
     deadline = time.time() + deadline_seconds
     directory = checkpoint_directory(root, checkpoint_id)
     try:
@@ -166,6 +198,7 @@ async def checkpoint(
             scope,
             controller_state,
             fault=fault,
+            traceparent=traceparent,
         )
     except Exception:
         # The original failure is the one the caller must see; resume is safe to repeat later.

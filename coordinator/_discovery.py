@@ -11,7 +11,8 @@ from tenacity.wait import wait_base
 from protocols import PREPARE_ORDER
 
 from ._client import STATUS_TIMEOUT_SECONDS, ControlClient, NotAParticipantError
-from ._fixed_order import NO_MODEL, CoordinationError, Member, _describe, _each
+from ._fixed_order import NO_MODEL
+from ._members import CoordinationError, Member, describe, each
 
 DISCOVERY_ATTEMPTS: Final = 3
 """Tries per status probe when the connection fails, as in the reference."""
@@ -50,7 +51,9 @@ async def discover(
         Member(kind="model", instance=url, url=url, client=client)
         for url, client in clients.items()
     ]  # placeholders: _each keys results by instance, here the URL
-    statuses, failures = await _each(probes, lambda m: m.client.status(probe_seconds=probe_timeout))
+    statuses, failures = await each(
+        "status", probes, lambda m: m.client.status(probe_seconds=probe_timeout)
+    )
     members: list[Member] = []
     errors: dict[str, BaseException] = {}
     for url, error in failures.items():
@@ -71,7 +74,7 @@ async def discover(
             await client.aclose()
     if errors:
         raise CoordinationError(
-            "discover", {url: _describe(exc) for url, exc in errors.items()}, errors
+            "discover", {url: describe(exc) for url, exc in errors.items()}, errors
         )
     if not any(member.kind == "model" for member in members):
         for member in members:

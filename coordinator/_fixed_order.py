@@ -9,14 +9,17 @@ callees), and commit, restore and renew go to everyone at once.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Final, TypeVar
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import anyio
 
 from protocols import (
+    COLLECTION_RESTORE_SPAN,
     PREPARE_ORDER,
     RESTORE_CLEANUP_MIN_SECONDS,
     RESUME_ORDER,
@@ -25,7 +28,6 @@ from protocols import (
     EpisodeId,
     ForgetReply,
     InvalidRolloutIdError,
-    MidflightError,
     ParticipantKind,
     Phase,
     PrepareReply,
@@ -33,13 +35,17 @@ from protocols import (
     RestoreReply,
     ResumeReply,
     RetireReply,
-    WireError,
+    coordinate_span,
+    stage_span,
     validate_rollout_ids,
 )
 
-from ._client import ControlClient
+from ._members import CoordinationError, Member, each, raise_if
+from ._publish import CHECKPOINT_FILE
+from ._tracing import coordinator_span, link_to_checkpoint, stored_traceparent
 
 T = TypeVar("T")
+P = ParamSpec("P")
 NO_MODEL: Final = "no policy model takes part in checkpoints"
 BoundaryHook = Callable[[str], Awaitable[None]]
 """Called with a boundary name as the coordinator passes it (a test harness's kill point)."""
@@ -47,46 +53,6 @@ BoundaryHook = Callable[[str], Awaitable[None]]
 
 async def _no_boundary_hook(_boundary: str) -> None:
     return None
-
-
-class CoordinationError(MidflightError):
-    """One coordinated operation failed on some participants.
-
-    Attributes:
-        operation: The operation (``prepare``, ``commit``, ``restore``, …).
-        failures: Server name → what went wrong there.
-        causes: Server name → the exception itself (typed ``WireError`` when the server
-            answered with an error envelope).
-    """
-
-    def __init__(
-        self,
-        operation: str,
-        failures: Mapping[str, str],
-        causes: Mapping[str, BaseException] | None = None,
-    ) -> None:
-        self.operation = operation
-        self.failures = dict(failures)
-        self.causes = dict(causes or {})
-        listed = "; ".join(f"{name}: {message}" for name, message in sorted(self.failures.items()))
-        super().__init__(f"{operation} failed: {listed}")
-
-
-@dataclass(frozen=True)
-class Member:
-    """One discovered participant.
-
-    Attributes:
-        kind: Its participant kind.
-        instance: Its server name (a path component of the checkpoint layout).
-        url: Its root URL.
-        client: Its control client (a reserved connection pool).
-    """
-
-    kind: ParticipantKind
-    instance: str
-    url: str
-    client: ControlClient = field(compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -134,37 +100,27 @@ class PrepareResult:
         return [episode for episode in episodes if episode not in restarts]
 
 
-def _describe(error: BaseException) -> str:
-    if isinstance(error, WireError):
-        # The wire code first: it is what an operator greps for and what the error table lists.
-        return f"{error.code}: {error.detail}"
-    return f"{type(error).__name__}: {error}"
+def _coordinated(
+    operation: str,
+) -> Callable[
+    [Callable[Concatenate[Coordinator, str, P], Coroutine[Any, Any, T]]],
+    Callable[Concatenate[Coordinator, str, P], Coroutine[Any, Any, T]],
+]:
+    """Run a coordinator operation in its span ``gym.checkpoint.coordinate.<operation>``."""
 
+    def wrap(
+        method: Callable[Concatenate[Coordinator, str, P], Coroutine[Any, Any, T]],
+    ) -> Callable[Concatenate[Coordinator, str, P], Coroutine[Any, Any, T]]:
+        async def traced(
+            self: Coordinator, checkpoint_id: str, /, *args: P.args, **kwargs: P.kwargs
+        ) -> T:
+            with coordinator_span(coordinate_span(operation), id=checkpoint_id):
+                return await method(self, checkpoint_id, *args, **kwargs)
 
-async def _each(
-    members: Sequence[Member], call: Callable[[Member], Awaitable[T]]
-) -> tuple[dict[str, T], dict[str, BaseException]]:
-    """Run ``call`` on every member concurrently; collect replies and failures by server name."""
-    replies: dict[str, T] = {}
-    failures: dict[str, BaseException] = {}
+        functools.update_wrapper(traced, method)  # the method's name and docstring
+        return traced
 
-    async def one(member: Member) -> None:
-        try:
-            replies[member.instance] = await call(member)
-        except Exception as exc:  # any failure is reported per participant, never lost
-            failures[member.instance] = exc
-
-    async with anyio.create_task_group() as group:
-        for member in members:
-            group.start_soon(one, member)
-    return replies, failures
-
-
-def _raise_if(operation: str, failures: Mapping[str, BaseException]) -> None:
-    if failures:
-        raise CoordinationError(
-            operation, {name: _describe(exc) for name, exc in failures.items()}, failures
-        )
+    return wrap
 
 
 class Coordinator:
@@ -211,6 +167,7 @@ class Coordinator:
         wanted = set(kinds)
         return [member for member in self.members if member.kind in wanted]
 
+    @_coordinated("prepare")
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareResult:
         """Prepare stage by stage in ``PREPARE_ORDER``; stop after the first unprepared stage.
 
@@ -222,10 +179,11 @@ class Coordinator:
             stage = self.of_kinds((kind,))
             if not stage:
                 continue
-            got, failures = await _each(
-                stage, lambda m: m.client.prepare(checkpoint_id, deadline_ts)
-            )
-            _raise_if("prepare", failures)
+            with coordinator_span(stage_span(kind), id=checkpoint_id, participants=len(stage)):
+                got, failures = await each(
+                    "prepare", stage, lambda m: m.client.prepare(checkpoint_id, deadline_ts)
+                )
+            raise_if("prepare", failures)
             replies.update(got)
             if any(reply.phase != Phase.PREPARED for reply in got.values()):
                 return PrepareResult(prepared=False, replies=replies)
@@ -234,6 +192,7 @@ class Coordinator:
         await self._on_boundary("prepare-sent")
         return PrepareResult(prepared=True, replies=replies)
 
+    @_coordinated("commit")
     async def commit(
         self,
         checkpoint_id: str,
@@ -249,15 +208,17 @@ class Coordinator:
         Raises:
             CoordinationError: Any participant failed; nothing may be published.
         """
-        replies, failures = await _each(
+        replies, failures = await each(
+            "commit",
             self.members if kinds is None else self.of_kinds(kinds),
             lambda m: m.client.commit(
                 checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, stop=stop
             ),
         )
-        _raise_if("commit", failures)
+        raise_if("commit", failures)
         return replies
 
+    @_coordinated("resume")
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> dict[str, ResumeReply]:
         """Resume in reverse prepare order, going on past failures.
 
@@ -268,24 +229,27 @@ class Coordinator:
         failures: dict[str, BaseException] = {}
         for kind in RESUME_ORDER:
             stage = self.of_kinds((kind,))
-            got, failed = await _each(stage, lambda m: m.client.resume(checkpoint_id, deadline_ts))
+            got, failed = await each(
+                "resume", stage, lambda m: m.client.resume(checkpoint_id, deadline_ts)
+            )
             replies.update(got)
             failures.update(failed)
             if stage and len(replies) + len(failures) == len(stage):
                 await self._on_boundary("resume-partly-sent")
-        _raise_if("resume", failures)
+        raise_if("resume", failures)
         return replies
 
+    @_coordinated("renew")
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> dict[str, RenewReply]:
         """Extend every lease at once (publication is taking long).
 
         Raises:
             CoordinationError: Any participant failed.
         """
-        replies, failures = await _each(
-            self.members, lambda m: m.client.renew(checkpoint_id, deadline_ts)
+        replies, failures = await each(
+            "renew", self.members, lambda m: m.client.renew(checkpoint_id, deadline_ts)
         )
-        _raise_if("renew", failures)
+        raise_if("renew", failures)
         return replies
 
     async def restore(
@@ -305,7 +269,29 @@ class Coordinator:
             CoordinationError: The restore failed somewhere; its ``failures`` also name any
                 participant whose cleanup failed (``<name> (cleanup retire|resume)``).
         """
-        replies, failures = await _each(
+        with coordinator_span(
+            COLLECTION_RESTORE_SPAN,
+            new_trace=True,
+            id=checkpoint_id,
+            source=Path(checkpoint_dir).name,  # the checkpoint it restores
+            episodes=len(episode_ids),
+        ) as span:
+            if span.is_recording():
+                stored = await anyio.to_thread.run_sync(
+                    stored_traceparent, Path(checkpoint_dir) / CHECKPOINT_FILE
+                )
+                link_to_checkpoint(span, stored)
+            return await self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+
+    async def _restore(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        episode_ids: Sequence[EpisodeId],
+    ) -> dict[str, RestoreReply]:
+        replies, failures = await each(
+            "restore",
             self.members,
             lambda m: m.client.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
         )
@@ -324,9 +310,10 @@ class Coordinator:
                 await self.resume(checkpoint_id, cleanup_deadline)
             except CoordinationError as exc:
                 problems.update({f"{name} (cleanup resume)": c for name, c in exc.causes.items()})
-            _raise_if("restore", problems)
+            raise_if("restore", problems)
         raise AssertionError("unreachable")  # pragma: no cover - _raise_if raised above
 
+    @_coordinated("retire")
     async def retire(
         self, checkpoint_id: str, deadline_ts: float, episode_ids: Sequence[EpisodeId]
     ) -> dict[str, RetireReply]:
@@ -346,16 +333,17 @@ class Coordinator:
         failures: dict[str, BaseException] = {}
         for group in RETIRE_ORDER:
             stage = self.of_kinds(group)
-            got, failed = await _each(
-                stage, lambda m: m.client.retire(checkpoint_id, deadline_ts, episodes)
+            got, failed = await each(
+                "retire", stage, lambda m: m.client.retire(checkpoint_id, deadline_ts, episodes)
             )
             replies.update(got)
             failures.update(failed)
             if stage and len(replies) + len(failures) == len(stage):
                 await self._on_boundary("retire-partly-applied")
-        _raise_if("retire", failures)
+        raise_if("retire", failures)
         return replies
 
+    @_coordinated("forget")
     async def forget(
         self, checkpoint_id: str, deadline_ts: float, rollout_ids: Iterable[str]
     ) -> dict[str, ForgetReply]:
@@ -373,10 +361,11 @@ class Coordinator:
             return {}
         replies: dict[str, ForgetReply] = {}
         for group in RETIRE_ORDER:
-            got, failed = await _each(
+            got, failed = await each(
+                "forget",
                 self.of_kinds(group),
                 lambda m: m.client.forget(checkpoint_id, deadline_ts, rollouts),
             )
-            _raise_if("forget", failed)
+            raise_if("forget", failed)
             replies.update(got)
         return replies

@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, JsonValue
 
 from protocols import (
     MANIFEST_FILE,
+    PUBLISH_SPAN,
     CommitReply,
     EpisodeId,
     InvalidCheckpointStateError,
@@ -35,7 +36,8 @@ from protocols import (
     validate_checkpoint_id,
 )
 
-from ._fixed_order import Member
+from ._members import Member
+from ._tracing import coordinator_span
 
 CHECKPOINTS_SUBDIR: Final = "checkpoints"
 CHECKPOINT_FILE: Final = "checkpoint.json"
@@ -74,6 +76,8 @@ class CheckpointManifest(BaseModel):
         continued: The commit scope: the episodes a restore continues.
         staging_keys_by_episode: Capture key → staging keys (from the model's commit reply).
         controller_state: The controller's own state, opaque JSON, restored with the rest.
+        traceparent: The W3C trace context of the checkpoint's trace, when it was traced: a
+            restore's trace links to it (absent from the file otherwise).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -84,6 +88,7 @@ class CheckpointManifest(BaseModel):
     continued: list[EpisodeId]
     staging_keys_by_episode: dict[str, list[str]]
     controller_state: JsonValue
+    traceparent: str | None = None
 
 
 def checkpoint_directory(root: Path, checkpoint_id: str) -> Path:
@@ -131,6 +136,7 @@ def publish_checkpoint_sync(
     *,
     fault: str | None = None,
     on_boundary: Callable[[str], None] | None = None,
+    traceparent: str | None = None,
 ) -> CheckpointManifest:
     """Blocking body of :func:`publish_checkpoint` (call it from a worker thread).
 
@@ -177,10 +183,14 @@ def publish_checkpoint_sync(
         continued=list(continued),
         staging_keys_by_episode=dict(sorted(staging.items())),
         controller_state=controller_state,
+        traceparent=traceparent,
     )
     directory.mkdir(parents=True, exist_ok=True)
     _fsync_directory(directory.parent)  # the checkpoint's own directory entry must survive too
-    body = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=1).encode()
+    fields = manifest.model_dump(mode="json")
+    if fields["traceparent"] is None:
+        del fields["traceparent"]  # an untraced checkpoint's file is what it always was
+    body = json.dumps(fields, sort_keys=True, indent=1).encode()
     if fault == "latest-before-manifest":
         # Deliberately wrong, for the proof suite: a crash now leaves LATEST on a partial commit.
         _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
@@ -203,6 +213,7 @@ async def publish_checkpoint(
     *,
     fault: str | None = None,
     on_boundary: Callable[[str], None] | None = None,
+    traceparent: str | None = None,
 ) -> CheckpointManifest:
     """Publish a committed checkpoint: ``checkpoint.json`` last, then ``LATEST``.
 
@@ -219,24 +230,27 @@ async def publish_checkpoint(
         on_boundary: Called, in the worker thread, with ``manifests-published`` before
             ``checkpoint.json`` is written and ``checkpoint-json-written`` before ``LATEST``
             moves (a test harness kills the controller there); nothing by default.
+        traceparent: The checkpoint trace's context, stored in ``checkpoint.json``.
 
     Raises:
         InvalidCheckpointStateError: A participant's manifest is missing or not the committed one.
         ValueError: An unknown fault.
     """
-    return await anyio.to_thread.run_sync(
-        functools.partial(
-            publish_checkpoint_sync,
-            root,
-            checkpoint_id,
-            members,
-            commits,
-            continued,
-            controller_state,
-            fault=fault,
-            on_boundary=on_boundary,
+    with coordinator_span(PUBLISH_SPAN, id=checkpoint_id, rollouts=len(continued)):
+        return await anyio.to_thread.run_sync(
+            functools.partial(
+                publish_checkpoint_sync,
+                root,
+                checkpoint_id,
+                members,
+                commits,
+                continued,
+                controller_state,
+                fault=fault,
+                on_boundary=on_boundary,
+                traceparent=traceparent,
+            )
         )
-    )
 
 
 def read_checkpoint(root: Path, checkpoint_id: str) -> CheckpointManifest:

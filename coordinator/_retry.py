@@ -26,6 +26,8 @@ from tenacity.wait import wait_base
 
 from protocols import WireError, error_from_envelope
 
+from ._tracing import inject_headers
+
 DEFAULT_CONTROL_ATTEMPTS: Final = 3
 """How many times a retryable failure is tried in all, by default."""
 
@@ -150,7 +152,11 @@ class RetryingCaller:
         """
         try:
             with anyio.fail_after(budget):
-                reply = await self._http.request(method, path, json=body, timeout=budget)
+                headers: dict[str, str] = {}
+                inject_headers(headers)  # the participant's span continues this trace
+                reply = await self._http.request(
+                    method, path, json=body, timeout=budget, headers=headers
+                )
         except TimeoutError:
             raise TimeoutError(
                 f"{self.name} {method} {path} to {self.url} got no reply within {budget:.2f} s"

@@ -75,6 +75,15 @@ from ._storage.checkpoint_store import (
     read_participant_checkpoint,
 )
 from ._storage.durable import fsync_directory, make_directory_durable, write_file_durably
+from ._tracing import (
+    SERVER_TELEMETRY,
+    checkpoint_span,
+    continued,
+    current_traceparent,
+    inject_headers,
+    set_checkpoint_attributes,
+    tracing_on,
+)
 
 __all__ = [
     "CONTROL_EVENTS",
@@ -82,6 +91,7 @@ __all__ = [
     "FANOUT_SOCKET_ENV",
     "KILL_BOUNDARIES",
     "RESOURCES_MODES",
+    "SERVER_TELEMETRY",
     "SOCKET_OWNER_FILE",
     "VERIFY_MODES",
     "WRITE_STEPS",
@@ -135,12 +145,16 @@ __all__ = [
     "VerifyMode",
     "authorized",
     "build_report",
+    "checkpoint_span",
+    "continued",
     "control_router",
+    "current_traceparent",
     "error_response",
     "error_responses",
     "fsync_directory",
     "generation_cut_restart_reason",
     "generation_cut_router",
+    "inject_headers",
     "install_error_envelope",
     "ledger_control_router",
     "listen_private",
@@ -153,6 +167,8 @@ __all__ = [
     "rebuild_generation_cut",
     "record_custody",
     "resolve_admission",
+    "set_checkpoint_attributes",
     "slot_of",
+    "tracing_on",
     "write_file_durably",
 ]

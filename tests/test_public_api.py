@@ -47,6 +47,12 @@ PUBLIC = {
         "sorted_capture_keys", "staging_key", "task_digest", "validate_checkpoint_id",
         "validate_ledger_key", "validate_ledger_keys", "validate_rollout_ids",
         "validate_row", "validate_safe_name",
+        # the names of a checkpoint's trace (D317)
+        "ATTRIBUTE_PREFIX", "COLLECTION_CHECKPOINT_SPAN", "COLLECTION_RESTORE_SPAN",
+        "EXPORT_SPAN", "GENERATION_CUT_SPAN", "INSTALL_SPAN", "MANIFEST_SPAN", "OPERATIONS",
+        "PUBLISH_SPAN", "READ_SPAN", "ROLLOUT_SPAN", "SPAN_PREFIX", "TRACEPARENT_HEADER",
+        "WAIT_READY_SPAN", "WORKER_CUT_SPAN", "WRITE_SPAN", "attribute", "call_span",
+        "coordinate_span", "operation_span", "shard_span", "stage_span",
     ],
     "participants": [
         "CONTROL_EVENTS", "DEFAULT_ADMISSION_WAIT_SECONDS", "FANOUT_SOCKET_ENV",
@@ -69,6 +75,9 @@ PUBLIC = {
         "make_directory_durable", "participant_app", "private_socket_path", "put_entries",
         "read_kill_announcements", "read_participant_checkpoint", "rebuild_generation_cut",
         "record_custody", "resolve_admission", "slot_of", "write_file_durably",
+        # server-side tracing (D318, D321)
+        "SERVER_TELEMETRY", "checkpoint_span", "continued", "current_traceparent",
+        "inject_headers", "set_checkpoint_attributes", "tracing_on",
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "LATEST_FILE", "CheckpointManifest",
@@ -77,6 +86,7 @@ PUBLIC = {
         "PublishedParticipant", "checkpoint", "checkpoint_directory", "collect_garbage",
         "discover", "pin_checkpoint", "publish_checkpoint", "read_checkpoint",
         "read_latest", "unpin_checkpoint", "verify_checkpoint",
+        "CheckpointTrace", "checkpoint_trace",  # one checkpoint, one trace (D320)
     ],
     "e2e": [
         "build_app", "main",

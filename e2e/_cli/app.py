@@ -15,6 +15,7 @@ from .._launch.lifeline import hold_lifeline, terminate_as_interrupt
 COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cli.version",
     "e2e._cli.drill",
+    "e2e._cli.drivers",
     "e2e._cli.demo",
     "e2e._cli.serve",
     "e2e._cli.model",

@@ -1,4 +1,4 @@
-"""``midflight drill``: the crash-restore drill, and ``drill-driver`` (its controller process)."""
+"""``midflight drill``: the crash-restore drill."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def refuse_an_engine_that_cannot_run(engine: str, model: Path | None, dtype: str
 
 
 def register(app: typer.Typer) -> None:
-    """Add ``drill`` and the hidden ``drill-driver`` to the app."""
+    """Add ``drill`` to the app (its controller processes' commands are in ``drivers``)."""
 
     @app.command("drill")
     def drill_command(
@@ -274,6 +274,14 @@ def register(app: typer.Typer) -> None:
             str,
             typer.Option(help="A model engine's floating-point type: float64, float32, bfloat16."),
         ] = "float64",
+        trace_dir: Annotated[
+            Path | None,
+            typer.Option(
+                metavar="DIR",
+                help="Every process of the run appends its spans to DIR; the drill draws the "
+                "last checkpoint's timeline there (see midflight trace).",
+            ),
+        ] = None,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
@@ -313,6 +321,7 @@ def register(app: typer.Typer) -> None:
             engine=engine,
             model=None if model is None else str(model.resolve()),
             dtype=dtype,
+            trace_dir=None if trace_dir is None else str(trace_dir.resolve()),
         )
         if matrix is not None:
             # Matrix cells run one crash each and no restart-only share (their own crash plan).
@@ -370,31 +379,14 @@ def register(app: typer.Typer) -> None:
                 style = "red" if name in ERROR_FIGURES and value else ""
                 table.add_row(name, f"[{style}]{value}[/{style}]" if style else str(value))
             console.print(table)
+            if figures.values.get("trace_dir"):
+                timeline = figures.values.get("trace_timeline") or "none drawn"
+                console.print(
+                    f"spans in {figures.values['trace_dir']}; timeline: {timeline}", markup=False
+                )
             console.print(
                 "[green]PASS[/green]" if not failures else "[red]FAIL[/red]: " + "; ".join(failures)
             )
 
         emit(figures.values, as_json=as_json, render=render)
         raise typer.Exit(0 if not failures else 1)
-
-    @app.command("drill-driver", hidden=True)
-    def drill_driver_command(
-        root: Annotated[Path, typer.Option()],
-        cluster: Annotated[Path, typer.Option()],
-        plan: Annotated[Path, typer.Option()],
-    ) -> None:
-        """The drill's controller process (started by ``midflight drill``)."""
-        from .._drill.driver import main
-
-        main(root, cluster, plan)
-
-    @app.command("sequence-driver", hidden=True)
-    def sequence_driver_command(
-        root: Annotated[Path, typer.Option()],
-        cluster: Annotated[Path, typer.Option()],
-        plan: Annotated[Path, typer.Option()],
-    ) -> None:
-        """The controller process of one random sequence (started by ``drill --sequences``)."""
-        from .._sequences.driver import main
-
-        main(root, cluster, plan)

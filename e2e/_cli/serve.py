@@ -44,6 +44,14 @@ class ServeOptions:
             help="Commit and restore only checkpoint directories under DIR; default: the run root.",
         ),
     ]
+    TraceDir = Annotated[
+        Path | None,
+        typer.Option(
+            "--trace-dir",
+            help="Append this server's spans to DIR as JSON lines (midflight trace DIR draws "
+            "them); OTEL_* variables send them to a collector too.",
+        ),
+    ]
     Processes = Annotated[
         int,
         typer.Option(
@@ -105,6 +113,7 @@ def _register_worker(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = "worker",
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        trace_dir: ServeOptions.TraceDir = None,
         token_delay_ms: Annotated[
             float | None,
             typer.Option(
@@ -143,7 +152,9 @@ def _register_worker(serve_app: typer.Typer) -> None:
         ] = 64,
     ) -> None:
         """The inference worker (default port 8701), on the deterministic engine by default."""
-        options = serve_options_from(name=name, port=port, cluster=cluster, root=root)
+        options = serve_options_from(
+            name=name, port=port, cluster=cluster, root=root, trace_dir=trace_dir
+        )
         if token_delay_ms is None:
             token_delay_ms = DETERMINISTIC_TOKEN_DELAY_MS if engine == DEFAULT_ENGINE else 0.0
         settings = WorkerSettings(
@@ -163,7 +174,7 @@ def _register_worker(serve_app: typer.Typer) -> None:
             app = create_worker_app(settings)
         except EngineError as exc:  # an unknown engine, or one whose packages are missing
             usage_error(str(exc))
-        run_server(app, options)
+        run_server(app, options, role="worker")
 
 
 def _register_model(serve_app: typer.Typer) -> None:
@@ -179,6 +190,7 @@ def _register_model(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        trace_dir: ServeOptions.TraceDir = None,
         processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         worker_url: Annotated[
@@ -197,11 +209,12 @@ def _register_model(serve_app: typer.Typer) -> None:
             root=root,
             processes=processes,
             checkpoint_root=checkpoint_root,
+            trace_dir=trace_dir,
         )
         app = create_model_app(
             options, worker_url=worker_url, admission_wait_seconds=admission_wait_s
         )
-        run_server(app, options)
+        run_server(app, options, role="model")
 
 
 def _register_resources(serve_app: typer.Typer) -> None:
@@ -215,6 +228,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["resources"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        trace_dir: ServeOptions.TraceDir = None,
         processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         mode: Annotated[
@@ -241,6 +255,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
             root=root,
             processes=processes,
             checkpoint_root=checkpoint_root,
+            trace_dir=trace_dir,
         )
         app = create_resources_app(
             options,
@@ -249,7 +264,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
             verify_delay_ms=verify_delay_ms,
             verify_hold_dir=verify_hold_dir,
         )
-        run_server(app, options)
+        run_server(app, options, role="resources")
 
 
 def _register_agent(serve_app: typer.Typer) -> None:
@@ -263,6 +278,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
         name: Annotated[str, typer.Option(help="The server's name.")] = DEFAULT_NAMES["agent"],
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        trace_dir: ServeOptions.TraceDir = None,
         processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         restart_only: Annotated[
@@ -281,8 +297,9 @@ def _register_agent(serve_app: typer.Typer) -> None:
             root=root,
             processes=processes,
             checkpoint_root=checkpoint_root,
+            trace_dir=trace_dir,
         )
-        run_server(create_agent_app(options, restart_only=restart_only), options)
+        run_server(create_agent_app(options, restart_only=restart_only), options, role="agent")
 
 
 def _register_environment(serve_app: typer.Typer) -> None:
@@ -298,6 +315,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
         ),
         cluster: ServeOptions.Cluster = None,
         root: ServeOptions.Root = None,
+        trace_dir: ServeOptions.TraceDir = None,
         processes: ServeOptions.Processes = 1,
         checkpoint_root: ServeOptions.CheckpointRoot = None,
         episode_seconds: Annotated[
@@ -327,9 +345,10 @@ def _register_environment(serve_app: typer.Typer) -> None:
             root=root,
             processes=processes,
             checkpoint_root=checkpoint_root,
+            trace_dir=trace_dir,
         )
         timeouts = PeerTimeouts(
             call_s=peer_timeout_s, activation_s=activation_timeout_s, verify_s=verify_timeout_s
         )
         app = create_environment_app(options, episode_seconds=episode_seconds, timeouts=timeouts)
-        run_server(app, options)
+        run_server(app, options, role="environment")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -10,17 +9,10 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from .._trace.checkpoints import Checkpoint, TraceDirectory, read_trace_directory
+from .._trace.checkpoints import Checkpoint, TraceDirectory, read_trace_directory, timeline_file
 from .._trace.restores import Restore
 from .._trace.spans_file import SPANS_FILE_GLOB
 from .output import JsonOption, console, emit, error_console, usage_error
-
-_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
-
-
-def default_out(directory: Path, checkpoint: Checkpoint) -> Path:
-    """``DIR/timeline-<id>.png``: beside the spans it was drawn from, one file per checkpoint."""
-    return directory / f"timeline-{_UNSAFE.sub('_', checkpoint.checkpoint_id)}.png"
 
 
 def _read(directory: Path) -> TraceDirectory:
@@ -134,7 +126,7 @@ def register(app: typer.Typer) -> None:
             for restore in traces.restores
             if checkpoint_id is None or restore.checkpoint_trace_id in shown
         ]
-        written = _draw(drawn, out if out is not None else default_out(directory, drawn))
+        written = _draw(drawn, out if out is not None else timeline_file(directory, drawn))
         payload: dict[str, Any] = {
             "checkpoints": [checkpoint.to_json() for checkpoint in listed],
             "restores": [restore.to_json() for restore in restores],

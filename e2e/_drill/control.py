@@ -132,8 +132,9 @@ class ControlSession:
         commit: CommitOutcome,
         continued: Sequence[EpisodeId],
         controller_state: dict[str, Any],
+        traceparent: str | None = None,
     ) -> None:
-        """Publish ``checkpoint.json`` then ``LATEST``."""
+        """Publish ``checkpoint.json`` (the checkpoint's trace with it) then ``LATEST``."""
         coordinator = await self.coordinator()
         await publish_checkpoint(
             root,
@@ -144,6 +145,7 @@ class ControlSession:
             controller_state,
             fault=self.publish_fault,
             on_boundary=self.kill_point.reach,
+            traceparent=traceparent,
         )
 
     @staticmethod

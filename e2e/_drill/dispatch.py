@@ -15,16 +15,19 @@ from typing import Any
 import anyio
 import anyio.lowlevel
 import httpx
+from opentelemetry import trace
 
-from protocols import EpisodeId
+from protocols import ROLLOUT_SPAN, EpisodeId
 
 from .._servers.cluster import Cluster
 from .._servers.evidence import EvidenceLog
 from .._servers.peer_pool import PEER_POOL
+from .._trace.propagation import TRACE_HOOKS
 from .control import ControlSession
 from .plan import ControllerState, DriverPlan, error_code, task_of
 
 DEADLINE_SECONDS = 30.0
+_TRACER = trace.get_tracer("midflight.drill")
 
 
 class RolloutDispatcher:
@@ -45,7 +48,9 @@ class RolloutDispatcher:
         self.done_events: dict[str, anyio.Event] = {}
         self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
         self.control = ControlSession(cluster, token)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL)
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL, event_hooks=TRACE_HOOKS
+        )
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}
         self.last_cuts: list[str] = []
@@ -75,6 +80,13 @@ class RolloutDispatcher:
             self.state.attempts[rollout] = attempt
 
     async def run_attempt(self, rollout: str, attempt: int) -> None:
+        """Run one attempt in its span: its data-plane calls, across every server, are children."""
+        with _TRACER.start_as_current_span(
+            ROLLOUT_SPAN, attributes={"midflight.rollout_id": rollout, "midflight.attempt": attempt}
+        ):
+            await self._run_attempt(rollout, attempt)
+
+    async def _run_attempt(self, rollout: str, attempt: int) -> None:
         episode = EpisodeId(rollout_id=rollout, attempt=attempt)
         self.in_flight[rollout] = attempt
         if self.owed.get(rollout) == attempt:

@@ -20,10 +20,12 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 
+from coordinator import CheckpointTrace, checkpoint_trace
 from protocols import EpisodeId
 
 from .._servers.cluster import read_cluster
 from .._servers.evidence import read_evidence
+from .._trace.setup import configure_tracing
 from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
 from .plan import ControllerState, DriverPlan, task_of
 from .probes import ResourcesProbe, send_probes
@@ -50,6 +52,14 @@ class Driver(RolloutDispatcher):
         (D155, D232, D247).
         """
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
+        with checkpoint_trace(checkpoint_id) as traced:  # one checkpoint, one trace
+            published = await self._checkpoint(checkpoint_id, traced, block, need_cut)
+            traced.record(published=published)
+            return published
+
+    async def _checkpoint(
+        self, checkpoint_id: str, traced: CheckpointTrace, block: float | None, need_cut: bool
+    ) -> bool:
         directory = self.control.checkpoint_dir(self.root, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
         scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
@@ -102,7 +112,10 @@ class Driver(RolloutDispatcher):
         state = ControllerState(
             accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)
         )
-        await self.control.publish(self.root, checkpoint_id, commit, continued, state.to_json())
+        await self.control.publish(
+            self.root, checkpoint_id, commit, continued, state.to_json(), traced.traceparent
+        )
+        traced.record(rollouts=len(continued))
         await self.log(
             {
                 "event": "checkpoint",
@@ -266,5 +279,6 @@ class Driver(RolloutDispatcher):
 def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
     """Run one driver incarnation (``midflight drill-driver``)."""
     token = os.environ["MIDFLIGHT_CONTROL_TOKEN"]
+    configure_tracing("midflight-driver", server="driver")  # traced when the drill is
     driver = Driver(root, read_cluster(cluster_path), DriverPlan.load(plan_path), token)
     anyio.run(driver.run)

@@ -22,9 +22,11 @@ from protocols import MidflightError
 
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
 from .._servers.evidence import EvidenceLog
+from .._trace.setup import TRACE_DIR_ENV
 from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
 from .oracle import Figures, compute_figures, rollout_outcomes
+from .trace_figures import trace_figures
 
 FAULTS = {
     "rerun-from-input": "repeated_model_calls",
@@ -83,6 +85,8 @@ class DrillOptions:
     """``--model``: the model directory of a model engine (the tiny model, built, when none)."""
     dtype: str = "float64"
     """``--dtype``: a model engine's floating-point type."""
+    trace_dir: str | None = None
+    """``--trace-dir``: every process of the run (not the baseline's) appends its spans there."""
 
     @property
     def model_engine(self) -> bool:
@@ -147,13 +151,17 @@ def run_cluster(
     checkpoints: list[int],
     token: str,
     on_line: Callable[[str], None],
+    trace_dir: Path | None = None,
 ) -> None:
-    """Run every driver phase on one cluster, crashing between phases."""
+    """Run every driver phase on one cluster, crashing between phases (traced into
+    ``trace_dir`` when given)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     env = {"MIDFLIGHT_CONTROL_TOKEN": token}
     if options.fault:
         env["MIDFLIGHT_FAULT"] = options.fault
+    if trace_dir is not None:
+        env[TRACE_DIR_ENV] = str(trace_dir.resolve())  # servers and driver trace there
     rollouts = [f"r{index:03d}" for index in range(options.rollouts)]
     task_input = options.task_input()
     evidence = EvidenceLog(root / "evidence" / "driver.jsonl")
@@ -309,6 +317,7 @@ def run_drill(
         checkpoints=_phase_checkpoints(options),
         token=token,
         on_line=on_line,
+        trace_dir=None if options.trace_dir is None else Path(options.trace_dir),
     )
     on_line("computing the figures from evidence")
     continued = continued_calls(work / "run")  # read from the store once, for both checks
@@ -326,4 +335,6 @@ def run_drill(
     figures.values["engine"] = options.engine
     if options.model_engine:
         figures.values["dtype"] = options.dtype
+    if options.trace_dir is not None:
+        figures.values.update(trace_figures(Path(options.trace_dir), work / "run"))
     return figures

@@ -22,9 +22,10 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
-from participants import FanoutShard, authorized, error_response, slot_of
+from participants import FanoutShard, authorized, continued, error_response, slot_of
 from protocols import (
     CONTROL_PREFIX,
+    TRACEPARENT_HEADER,
     CheckpointCoordinatorUnavailableError,
     EpisodeId,
     UnauthorizedError,
@@ -32,6 +33,7 @@ from protocols import (
 )
 
 from .._servers.peer_pool import PEER_POOL
+from .._trace.propagation import TRACE_HOOKS
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -126,7 +128,9 @@ class ShardRouting:
             operation = scope["path"][len(CONTROL_PREFIX) + 1 :]
             body = await _read_body(receive)
             try:
-                reply = await self.shard.relay_control(operation, body)
+                # Relayed before the app (and its telemetry) sees it: the caller's trace goes on.
+                with continued(headers.get(TRACEPARENT_HEADER)):
+                    reply = await self.shard.relay_control(operation, body)
                 response = JSONResponse(reply)
             except WireError as exc:
                 response = error_response(exc)
@@ -244,4 +248,5 @@ def proxy_client() -> httpx.AsyncClient:
         timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
         follow_redirects=False,
         limits=PEER_POOL,
+        event_hooks=TRACE_HOOKS,
     )

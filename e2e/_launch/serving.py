@@ -17,6 +17,7 @@ import typer
 import uvicorn
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
+from .._trace.setup import configure_tracing
 from .processes import is_shard_process, run_fanout, run_shard
 from .sockets import PortInUseError, bind_listening_socket
 
@@ -54,10 +55,21 @@ def warn_if_control_is_off(options: ServeContext | int) -> None:
         )
 
 
-def run_server(app: Any, options: ServeContext | int) -> None:
-    """Bind, announce the port on stdout, and serve ``app`` (its lifespan included)."""
+def run_server(app: Any, options: ServeContext | int, *, role: str = "server") -> None:
+    """Bind, announce the port on stdout, and serve ``app`` (its lifespan included).
+
+    Tracing is configured first, when ``--trace-dir`` or the ``OTEL_*`` variables ask for it;
+    every process of the server traces (a shard inherits the trace directory).
+    """
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
+    context = options if isinstance(options, ServeContext) else None
+    configure_tracing(
+        f"midflight-{role}",
+        server=role if context is None else context.name,
+        process="shard" if context is not None and is_shard_process() else "main",
+        trace_dir=None if context is None else context.trace_dir,
+    )
     if isinstance(options, ServeContext) and options.processes > 1:
         if is_shard_process():
             run_shard(app, options)

@@ -32,6 +32,7 @@ from participants import (
 )
 from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 
+from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
 from .peer_pool import PEER_POOL
 
@@ -153,6 +154,7 @@ def create_agent_app(
                     timeout=HELD_CALL_TIMEOUT,
                     transport=transport,
                     limits=PEER_POOL,
+                    event_hooks=TRACE_HOOKS,
                 )
                 await stack.enter_async_context(client)
                 setattr(peers, role, client)

@@ -35,6 +35,7 @@ class ServeContext:
     control_token: str | None
     capture_token: str | None
     processes: int = 1
+    trace_dir: Path | None = None
     """``--processes``: how many shard processes serve behind the one port (1: no fan-out)."""
     checkpoint_root: Path | None = None
 
@@ -56,6 +57,7 @@ def serve_options_from(
     root: Path | None,
     processes: int = 1,
     checkpoint_root: Path | None = None,
+    trace_dir: Path | None = None,
 ) -> ServeContext:
     """Resolve the shared options of ``serve <role>``."""
     parsed = read_cluster(cluster) if cluster is not None else None
@@ -71,6 +73,7 @@ def serve_options_from(
         capture_token=capture,
         processes=processes,
         checkpoint_root=None if checkpoint_root is None else checkpoint_root.resolve(),
+        trace_dir=trace_dir,
     )
 
 

@@ -32,6 +32,7 @@ from participants import (
 )
 from protocols import DeadlineExceededError, EpisodeId, error_from_envelope
 
+from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
 from .peer_pool import PEER_POOL
 
@@ -293,6 +294,7 @@ def create_environment_app(
         transport=agent_transport,
         cookies=_no_cookie_jar(),
         limits=PEER_POOL,
+        event_hooks=TRACE_HOOKS,
     )
     resources = httpx.AsyncClient(
         base_url=ctx.peer_url("resources"),
@@ -300,6 +302,7 @@ def create_environment_app(
         transport=resources_transport,
         cookies=_no_cookie_jar(),
         limits=PEER_POOL,
+        event_hooks=TRACE_HOOKS,
     )
     participant = EnvironmentParticipant(
         ctx.name,

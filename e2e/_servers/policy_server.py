@@ -53,6 +53,7 @@ from protocols import (
     render_prompt,
 )
 
+from .._trace.propagation import TRACE_HOOKS
 from .evidence import EvidenceLog
 from .peer_pool import PEER_POOL
 from .policy_apis import ModelApi, ModelCall, ModelReply
@@ -110,6 +111,7 @@ class PolicyServer:
             timeout=WORKER_TIMEOUT,
             transport=self._transport,
             limits=PEER_POOL,
+            event_hooks=TRACE_HOOKS,
         ) as client:
             self.client = client
             try:

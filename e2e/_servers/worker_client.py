@@ -27,6 +27,8 @@ from protocols import (
     MidflightError,
 )
 
+from .._trace.propagation import TRACE_HOOKS
+
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
 ABORT_TIMEOUT_SECONDS: Final = 30.0
@@ -71,7 +73,10 @@ class HttpCutRequester:
         """The control client, for as long as the server runs."""
         headers = {"authorization": f"Bearer {self._token}"} if self._token else {}
         async with httpx.AsyncClient(
-            headers=headers, limits=CONTROL_POOL, transport=self._transport
+            headers=headers,
+            limits=CONTROL_POOL,
+            transport=self._transport,
+            event_hooks=TRACE_HOOKS,
         ) as client:
             self.client = client
             try:

@@ -15,6 +15,7 @@ be in the directory.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -194,6 +195,11 @@ class TraceDirectory:
             if checkpoint_id in (checkpoint.checkpoint_id, checkpoint.trace_id)
         ]
         return matches[-1] if matches else None
+
+
+def timeline_file(directory: Path, checkpoint: Checkpoint) -> Path:
+    """``DIR/timeline-<id>.png``: beside the spans it was drawn from, one file per checkpoint."""
+    return directory / f"timeline-{re.sub(r'[^A-Za-z0-9_.-]+', '_', checkpoint.checkpoint_id)}.png"
 
 
 def _round(seconds: float) -> float:

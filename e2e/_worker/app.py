@@ -29,6 +29,7 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from participants import (
+    SERVER_TELEMETRY,
     BodyLimit,
     FileTokenStagingStore,
     authorized,
@@ -157,6 +158,7 @@ def create_worker_app(
         docs_url=None,
         redoc_url=None,
         lifespan=lifespan,
+        telemetry=SERVER_TELEMETRY,  # a traced cut or completion continues its caller's trace
     )
     app.state.engine = engine
     metrics = WorkerMetrics(engine)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Final, TypeVar, cast
 
@@ -34,8 +35,10 @@ from protocols import (
     InvalidRequestError,
     WireError,
     error_from_envelope,
+    shard_span,
 )
 
+from .._tracing import checkpoint_span, continued, current_traceparent
 from .messages import (
     FRAMES,
     Ask,
@@ -105,10 +108,14 @@ class Channel:
     Args:
         stream: The connected Unix socket stream.
         peer: How log lines and errors name the other end (``shard 1234``, ``the fan-out``).
+        span_answers: Whether each traced request this end answers gets a span of its own
+            (``gym.checkpoint.shard.<message>``: a shard process's end); either end continues
+            the asker's trace.
     """
 
-    def __init__(self, stream: ByteStream, *, peer: str) -> None:
+    def __init__(self, stream: ByteStream, *, peer: str, span_answers: bool = False) -> None:
         self.peer = peer
+        self._span_answers = span_answers
         self._stream = stream
         self._reader = BufferedByteReceiveStream(stream)
         self._send_lock = anyio.Lock()
@@ -148,7 +155,10 @@ class Channel:
         pending = _Pending(reply_adapter(type(message)), kind)
         self._waiting[request_id] = pending
         try:
-            await self._send(RequestFrame(id=request_id, message=cast(Message, message)))
+            frame = RequestFrame(
+                id=request_id, message=cast(Message, message), traceparent=current_traceparent()
+            )
+            await self._send(frame)
             with anyio.move_on_after(max(within, 0.0)):
                 await pending.done.wait()
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -249,7 +259,9 @@ class Channel:
                 raise InvalidRequestError(
                     f"{message.kind} is not answered here ({self.peer} sent it)"
                 )
-            reply = ReplyFrame(reply_to=frame.id, body=await handler(message))
+            with continued(frame.traceparent), self._answer_span(frame):
+                body = await handler(message)
+            reply = ReplyFrame(reply_to=frame.id, body=body)
         except WireError as exc:
             reply = ErrorFrame(reply_to=frame.id, error=_error_body(exc))
         except Exception as exc:
@@ -269,6 +281,11 @@ class Channel:
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
             pass  # the other end is gone; its waiters fail on their side
 
+    def _answer_span(self, frame: RequestFrame) -> AbstractContextManager[object]:
+        if not self._span_answers or frame.traceparent is None:
+            return contextlib.nullcontext()
+        return checkpoint_span(shard_span(frame.message.kind), peer=self.peer)
+
     async def _send_quietly(self, frame: ErrorFrame) -> None:
         # The other end may be gone; its waiters fail on their side.
         with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
@@ -283,8 +300,10 @@ def _error_body(exc: WireError) -> ErrorBody:
     return ErrorBody(status=exc.http_status, code=exc.code, detail=exc.detail)
 
 
-async def connect(path: Path | str, *, peer: str = "the fan-out") -> Channel:
-    """Connect to the fan-out's socket (bounded by the message timeout)."""
+async def connect(
+    path: Path | str, *, peer: str = "the fan-out", span_answers: bool = True
+) -> Channel:
+    """Connect to the fan-out's socket (bounded by the message timeout); a shard's end."""
     with anyio.fail_after(MESSAGE_TIMEOUT_SECONDS):
         stream = await anyio.connect_unix(path)
-    return Channel(stream, peer=peer)
+    return Channel(stream, peer=peer, span_answers=span_answers)

@@ -57,7 +57,7 @@ from .messages import (
 )
 from .placement import Placement, distinct_records, split_by_slot
 from .relay import relay_control
-from .roster import ShardRoster, ShardState
+from .roster import RosterMetrics, ShardRoster, ShardState
 
 ReplyT = TypeVar("ReplyT")
 
@@ -112,11 +112,15 @@ class ProcessFanout(ShardRoster):
         self.placement = placement
         self.claimed: set[str] = set()
         self._manifest: dict[str, Any] | None = None
+        self._metrics_registered = False
 
     # ----------------------------------------------------------------- connections
 
     async def serve(self, listener: SocketListener, plane: ControlPlane) -> None:
         """Accept shard connections for as long as the caller runs this."""
+        if not self._metrics_registered:  # the roster scrapes on the control plane's /metrics
+            plane.telemetry.registry.register(RosterMetrics(self))
+            self._metrics_registered = True
         async with anyio.create_task_group() as group:
             while True:
                 stream = await listener.accept()

@@ -364,11 +364,12 @@ class ErrorBody(_Closed):
 
 
 class RequestFrame(_Closed):
-    """``{"frame": "request", "id", "message"}``."""
+    """``{"frame": "request", "id", "message", "traceparent"}`` (the asker's trace, if any)."""
 
     frame: Literal["request"] = "request"
     id: int
     message: Message
+    traceparent: str | None = None
 
 
 class ReplyFrame(_Closed):

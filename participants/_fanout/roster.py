@@ -11,12 +11,14 @@ their spelling.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 import structlog
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from protocols import (
     MAX_REPORTED_BLOCKERS,
@@ -253,3 +255,36 @@ class ShardRoster(BaseParticipant):
     def status_extra(self) -> dict[str, Any]:
         """The shards' extra status fields: numbers summed, lists merged, the rest first seen."""
         return merge_status_extra(self.shards.values())
+
+
+class RosterMetrics(Collector):
+    """The shard processes of a server, as its fan-out sees them, on ``/metrics``.
+
+    ``midflight_shard_processes`` (connected now), ``midflight_shard_processes_expected`` and
+    ``midflight_shards_lost_total`` (connections that ended without the shard saying it stops).
+
+    Args:
+        roster: The fan-out's roster.
+    """
+
+    def __init__(self, roster: ShardRoster) -> None:
+        self._roster = roster
+
+    def collect(self) -> Iterator[Metric]:
+        """The three families, read from the roster at scrape time."""
+        roster = self._roster
+        yield GaugeMetricFamily(
+            "midflight_shard_processes",
+            "Shard processes connected to the fan-out now.",
+            value=len(roster.shards),
+        )
+        yield GaugeMetricFamily(
+            "midflight_shard_processes_expected",
+            "Shard processes the server runs when whole.",
+            value=roster.expected,
+        )
+        yield CounterMetricFamily(
+            "midflight_shards_lost",
+            "Shard processes lost (their connection ended unannounced) since the start.",
+            value=roster.lost_since_start,
+        )

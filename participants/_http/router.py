@@ -48,6 +48,7 @@ from protocols import (
 
 from .._runtime.collector import collector_paused
 from .._runtime.plane import ControlPlane
+from .._tracing import SERVER_TELEMETRY
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 
 _log = structlog.get_logger("midflight.http")
@@ -298,7 +299,11 @@ def participant_app(
                 async with lifespan(app):
                     yield
 
-    app = FastAPI(title=title or f"midflight {participant.kind} participant", lifespan=run)
+    app = FastAPI(
+        title=title or f"midflight {participant.kind} participant",
+        lifespan=run,
+        telemetry=SERVER_TELEMETRY,
+    )
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     install_error_envelope(app)
     if token is not None:

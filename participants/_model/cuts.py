@@ -21,6 +21,7 @@ from typing import Any, Final
 import anyio
 
 from protocols import (
+    GENERATION_CUT_SPAN,
     EpisodeId,
     GenerationCutInventory,
     GenerationCutPrefix,
@@ -29,6 +30,7 @@ from protocols import (
     GenerationCutRecord,
 )
 
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .gate import ModelTicket
 
 GUIDED_FIELDS: Final = (
@@ -145,12 +147,16 @@ async def run_cut_round(
                     continuation=ticket.cut.continuation(),
                 )
 
-    async with anyio.create_task_group() as group:
-        for backend, members in sorted(by_backend.items()):
-            group.start_soon(cut_backend, backend, members)
-    cut = sum(1 for g in by_backend.values() for t, _ in g if t.cut_record is not None)
-    total = sum(len(g) for g in by_backend.values())
-    counts = {"cut": cut, "cut_failed": total - cut, "cut_skipped": skipped}
+    with checkpoint_span(GENERATION_CUT_SPAN, id=checkpoint_id, workers=len(by_backend)) as span:
+        async with anyio.create_task_group() as group:
+            for backend, members in sorted(by_backend.items()):
+                group.start_soon(cut_backend, backend, members)
+        cut = sum(1 for g in by_backend.values() for t, _ in g if t.cut_record is not None)
+        total = sum(len(g) for g in by_backend.values())
+        counts = {"cut": cut, "cut_failed": total - cut, "cut_skipped": skipped}
+        set_checkpoint_attributes(
+            span, calls=total + skipped, failed_workers=len(failures), **counts
+        )
     return CutRound(counts, failures)
 
 

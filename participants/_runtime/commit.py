@@ -17,6 +17,7 @@ import anyio
 from pydantic import ValidationError
 
 from protocols import (
+    EXPORT_SPAN,
     CheckpointConflictError,
     CommitReply,
     CommitRequest,
@@ -33,6 +34,7 @@ from protocols import (
 
 from .._storage.checkpoint_root import participant_path
 from .._storage.checkpoint_store import RecordsWriter
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .jobs import Job
 from .participant import Record
@@ -183,15 +185,19 @@ class CommitProcedure:
 
         async def write() -> dict[str, Any]:
             # A thread is never interrupted, so the write cannot be cancelled half-way.
-            return await anyio.to_thread.run_sync(
+            manifest = await anyio.to_thread.run_sync(
                 functools.partial(writer.write, records, extra=extra)
             )
+            plane.telemetry.moved("commit", records=len(records), size=writer.bytes_written)
+            return manifest
 
         return Job.start(plane.task_group, f"write of checkpoint {commit.checkpoint_id!r}", write)
 
     async def _export(self, commit: _Commit) -> list[Record]:
         plane = self._plane
-        records = list(await plane.participant.export(commit.scope))
+        with checkpoint_span(EXPORT_SPAN, id=commit.checkpoint_id) as span:
+            records = list(await plane.participant.export(commit.scope))
+            set_checkpoint_attributes(span, records=len(records))
         wanted = None if commit.scope is None else {e.capture_key for e in commit.scope}
         keys = set()
         for index, record in enumerate(records):

@@ -12,8 +12,9 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from protocols import CheckpointRequest, Phase, PhaseEvent, PrepareReply
+from protocols import WAIT_READY_SPAN, CheckpointRequest, Phase, PhaseEvent, PrepareReply
 
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 
 if TYPE_CHECKING:
@@ -63,7 +64,13 @@ class PrepareProcedure:
                     await wait_until(
                         plane.clock, wake_at, functools.partial(changes.wait_past, regressed)
                     )
-                await self._wait_ready(checkpoint_id, request.deadline_ts)
+                with checkpoint_span(WAIT_READY_SPAN, id=checkpoint_id) as span:
+                    await self._wait_ready(checkpoint_id, request.deadline_ts)
+                    if span.is_recording():  # a report is work: only for a recorded span
+                        report = plane.report()
+                        set_checkpoint_attributes(
+                            span, ready=report.ready, blockers=report.blocker_count
+                        )
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     async with plane.lock:

@@ -15,6 +15,8 @@ import anyio
 from pydantic import ValidationError
 
 from protocols import (
+    INSTALL_SPAN,
+    READ_SPAN,
     CheckpointConflictError,
     CheckpointError,
     DeadlineExceededError,
@@ -27,6 +29,7 @@ from protocols import (
 
 from .._storage.checkpoint_root import participant_path
 from .._storage.checkpoint_store import ParticipantCheckpoint, read_participant_checkpoint
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .collector import collector_paused
 from .commit import record_episode
@@ -57,17 +60,19 @@ def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
     return sorted(keys)
 
 
-def _read_paused(directory: Path, **options: Any) -> ParticipantCheckpoint:
+def _read_paused(directory: Path, checkpoint_id: str, **options: Any) -> ParticipantCheckpoint:
     # The parsed records all stay alive until the install: no garbage to collect (D266).
-    with collector_paused():
-        return read_participant_checkpoint(directory, **options)
+    with collector_paused(), checkpoint_span(READ_SPAN, id=checkpoint_id) as span:
+        share = read_participant_checkpoint(directory, **options)
+        set_checkpoint_attributes(span, records=len(share.records), bytes=share.bytes_read)
+        return share
 
 
 async def _install_paused(
-    participant: Participant, records: list[Record], scope: RestoreScope
+    participant: Participant, records: list[Record], scope: RestoreScope, checkpoint_id: str
 ) -> None:
     # Installing builds state that lives on; the collector would traverse it again and again.
-    with collector_paused():
+    with collector_paused(), checkpoint_span(INSTALL_SPAN, id=checkpoint_id, records=len(records)):
         await participant.install(records, scope)
 
 
@@ -119,12 +124,14 @@ class RestoreProcedure:
             functools.partial(
                 _read_paused,
                 own,
+                request.checkpoint_id,
                 kind=participant.kind,
                 instance=participant.instance,
                 select=functools.partial(_in_scope, scope),
             )
         )
         records = share.records
+        plane.telemetry.moved("restore", records=len(records), size=share.bytes_read)
         restored = _restored_keys(records, scope)
         if plane.clock.time() >= deadline:
             raise DeadlineExceededError("the deadline passed while reading the checkpoint")
@@ -143,7 +150,9 @@ class RestoreProcedure:
             job = Job.start(
                 plane.task_group,
                 f"install of restore {request.checkpoint_id!r}",
-                functools.partial(_install_paused, participant, records, scope),
+                functools.partial(
+                    _install_paused, participant, records, scope, request.checkpoint_id
+                ),
             )
             self._install = job
             self._install_owner = request.checkpoint_id

@@ -13,7 +13,16 @@ from typing import Any, Final, Literal, TypeVar
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from protocols import Phase, WireError
+from protocols import (
+    CommitReply,
+    Phase,
+    PrepareReply,
+    RestoreReply,
+    WireError,
+    operation_span,
+)
+
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 
 T = TypeVar("T")
 
@@ -46,6 +55,8 @@ class ControlTelemetry:
 
     def __init__(self, kind: str, instance: str, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
+        self.kind = kind
+        self.instance = instance
         self.log = structlog.get_logger("midflight.control").bind(participant=f"{kind}/{instance}")
         self.operations = Counter(
             "midflight_checkpoint_operations",
@@ -72,6 +83,21 @@ class ControlTelemetry:
             ["event"],
             registry=self.registry,
         )
+        self.records = Counter(
+            "midflight_checkpoint_records",
+            "Records a commit wrote or a restore read, by operation.",
+            ["operation"],
+            registry=self.registry,
+        )
+        self.bytes = Counter(
+            "midflight_checkpoint_bytes",
+            "Bytes of records a commit wrote or a restore read, by operation.",
+            ["operation"],
+            registry=self.registry,
+        )
+        for moving in ("commit", "restore"):  # both scrape from the start, at zero
+            self.records.labels(operation=moving)
+            self.bytes.labels(operation=moving)
         self.phase = Gauge(
             "midflight_checkpoint_phase",
             "1 for the participant's current phase, 0 for the others.",
@@ -84,6 +110,11 @@ class ControlTelemetry:
         """Publish the current phase."""
         for candidate in Phase:
             self.phase.labels(phase=candidate.value).set(1 if candidate is phase else 0)
+
+    def moved(self, operation: str, *, records: int, size: int) -> None:
+        """Count the records (and their bytes) one commit wrote or one restore read."""
+        self.records.labels(operation=operation).inc(records)
+        self.bytes.labels(operation=operation).inc(size)
 
     def operation(
         self,
@@ -120,29 +151,38 @@ class ControlTelemetry:
         ``phase`` is read after the work, so the event names the phase it left behind.
         """
         started = time.perf_counter()
-        try:
-            reply = await work()
-        except WireError as exc:
-            self.operation(
-                operation,
-                outcome="refused",
-                code=exc.code,
-                seconds=time.perf_counter() - started,
-                checkpoint_id=checkpoint_id,
-                phase=phase(),
-                detail=exc.detail,
-            )
-            raise
-        except Exception:
-            self.operation(
-                operation,
-                outcome="error",
-                code="internal_error",
-                seconds=time.perf_counter() - started,
-                checkpoint_id=checkpoint_id,
-                phase=phase(),
-            )
-            raise
+        with checkpoint_span(
+            operation_span(operation),
+            id=checkpoint_id,
+            participant_kind=self.kind,
+            instance=self.instance,
+        ) as span:
+            try:
+                reply = await work()
+            except WireError as exc:
+                set_checkpoint_attributes(span, phase=phase())
+                self.operation(
+                    operation,
+                    outcome="refused",
+                    code=exc.code,
+                    seconds=time.perf_counter() - started,
+                    checkpoint_id=checkpoint_id,
+                    phase=phase(),
+                    detail=exc.detail,
+                )
+                raise
+            except Exception:
+                set_checkpoint_attributes(span, phase=phase())
+                self.operation(
+                    operation,
+                    outcome="error",
+                    code="internal_error",
+                    seconds=time.perf_counter() - started,
+                    checkpoint_id=checkpoint_id,
+                    phase=phase(),
+                )
+                raise
+            set_checkpoint_attributes(span, phase=phase(), outcome="ok", **reply_attributes(reply))
         self.operation(
             operation,
             outcome="ok",
@@ -156,6 +196,20 @@ class ControlTelemetry:
         """Record a control-plane event that is not an operation reply."""
         self.events.labels(event=name).inc()
         self.log.warning(f"checkpoint.{name}", **context)
+
+
+def reply_attributes(reply: object) -> dict[str, Any]:
+    """What a reply tells a span: blockers of a prepare, records and episodes of a commit."""
+    if isinstance(reply, PrepareReply):
+        return {
+            "prepared": reply.phase is Phase.PREPARED,
+            "blockers": reply.report.blocker_count or len(reply.report.blockers),
+        }
+    if isinstance(reply, CommitReply):
+        return {"records": reply.manifest.record_count, "episodes": len(reply.episode_ids)}
+    if isinstance(reply, RestoreReply):
+        return {"episodes": len(reply.restored)}
+    return {}
 
 
 GENERATION_CUT_OUTCOMES: Final = ("cut", "failed", "skipped", "continued", "refused")

@@ -18,9 +18,15 @@ from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter
 
-from protocols import GENERATION_CUT_PATH, GenerationCutInventory, GenerationCutReceipt
+from protocols import (
+    GENERATION_CUT_PATH,
+    WORKER_CUT_SPAN,
+    GenerationCutInventory,
+    GenerationCutReceipt,
+)
 
 from .._http.router import authenticated_route_class, error_responses
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 
 GenerationCutHandler = Callable[[GenerationCutInventory], Awaitable[GenerationCutReceipt]]
 """What cuts a worker's calls: stages the prefix of every listed call, answers the receipt."""
@@ -45,6 +51,11 @@ def generation_cut_router(cut: GenerationCutHandler, *, token: str) -> APIRouter
         responses=error_responses(()),
     )
     async def generation_cut(body: GenerationCutInventory) -> GenerationCutReceipt:
-        return await cut(body)
+        calls = len(body.active_prefixes)
+        with checkpoint_span(WORKER_CUT_SPAN, id=body.checkpoint_id, calls=calls) as span:
+            receipt = await cut(body)
+            durable = sum(1 for ack in receipt.prefixes if ack.disposition == "durable_prefix")
+            set_checkpoint_attributes(span, cut=durable, cut_failed=calls - durable)
+            return receipt
 
     return router

@@ -22,6 +22,8 @@ from pydantic import ValidationError
 
 from protocols import (
     MANIFEST_FILE,
+    MANIFEST_SPAN,
+    WRITE_SPAN,
     InvalidCheckpointStateError,
     ParticipantKind,
     ParticipantManifest,
@@ -32,6 +34,7 @@ from protocols import (
     serialize_manifest,
 )
 
+from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .durable import fsync_directory, make_directory_durable
 
 WRITE_STEPS: Final = (
@@ -79,6 +82,8 @@ class RecordsWriter:
         self._on_step = on_step
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self.bytes_written = 0
+        """The size of the records file, once written."""
 
     @property
     def stopped(self) -> bool:
@@ -121,7 +126,10 @@ class RecordsWriter:
         temp = Path(temp_name)
         try:
             self._step("records_temp_created")
-            digest, count = self._stream(fd, records)
+            with checkpoint_span(WRITE_SPAN, id=self.checkpoint_id) as span:
+                digest, count, size = self._stream(fd, records)
+                set_checkpoint_attributes(span, records=count, bytes=size)
+            self.bytes_written = size
             self._step("records_synced")
             try:
                 manifest = build_manifest(
@@ -142,7 +150,8 @@ class RecordsWriter:
                 os.replace(temp, records_path)
                 fsync_directory(self.directory)  # the records name is durable before a manifest
                 self._step("records_renamed")
-                created = self._publish_manifest(manifest_bytes)
+                with checkpoint_span(MANIFEST_SPAN, id=self.checkpoint_id):
+                    created = self._publish_manifest(manifest_bytes)
             if created:
                 self._step("published")
                 return manifest
@@ -150,9 +159,10 @@ class RecordsWriter:
         finally:
             temp.unlink(missing_ok=True)
 
-    def _stream(self, fd: int, records: Iterable[Mapping[str, Any]]) -> tuple[str, int]:
+    def _stream(self, fd: int, records: Iterable[Mapping[str, Any]]) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = 0
+        size = 0
         with os.fdopen(fd, "wb") as handle:
             for record in records:
                 self._raise_if_stopped()
@@ -165,10 +175,11 @@ class RecordsWriter:
                 handle.write(line)
                 hasher.update(line)
                 count += 1
+                size += len(line)
             self._step("records_streamed")
             handle.flush()
             os.fsync(handle.fileno())  # the records must be on disk before any name points at them
-        return hasher.hexdigest(), count
+        return hasher.hexdigest(), count, size
 
     def _publish_manifest(self, manifest_bytes: bytes) -> bool:
         fd, temp_name = tempfile.mkstemp(prefix=".manifest.json.", dir=self.directory)

@@ -12,8 +12,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from fastapi import FastAPI
 from starlette.routing import Route
+
+from participants import ProcessFanout
+from participants._fanout.roster import RosterMetrics
 
 from .hostile import ROLES, fresh_server
 
@@ -79,6 +83,28 @@ async def test_the_metrics_page_lists_every_metric_of_every_reference_server(
         names = {name for name in names if not name.endswith("_created")}
         exposed |= names
         missing += [f"{role}: {name}" for name in sorted(names - page)]
+    # A server with several processes adds its roster's families on its main process.
+    roster = {
+        family.name + ("_total" if family.type == "counter" else "")
+        for family in RosterMetrics(ProcessFanout("model", "policy", expected=2)).collect()
+    }
+    missing += [f"several processes: {name}" for name in sorted(roster - page)]
+    exposed |= roster
     assert not missing, f"metrics missing from docs/metrics.md: {missing}"
     unknown = sorted(page - exposed)
     assert not unknown, f"docs/metrics.md names metrics no server exposes: {unknown}"
+
+
+def test_the_alert_rules_name_only_documented_metrics_and_parse() -> None:
+    page = (DOCS / "metrics.md").read_text()
+    block = page.split("## Alert rules", 1)[1].split("```yaml", 1)[1].split("```", 1)[0]
+    rules = yaml.safe_load(block)["groups"][0]["rules"]
+    assert {rule["alert"] for rule in rules} >= {
+        "MidflightCheckpointStuck",
+        "MidflightRefusalsRising",
+        "MidflightShardLost",
+    }
+    documented = set(METRIC.findall(page.split("## Alert rules", 1)[0]))
+    named = {name for rule in rules for name in re.findall(r"midflight_[a-z_]+", rule["expr"])}
+    assert named, "the rules name no metric"
+    assert named <= documented, f"rules name undocumented metrics: {sorted(named - documented)}"

@@ -1,0 +1,104 @@
+"""The participants a coordinator drives, and one call made to all of them at once.
+
+:func:`each` runs a call on every member concurrently and keeps every failure, by server name;
+each call is a client span ``gym.checkpoint.call.<operation>`` naming its participant, so a
+participant's own span in its own process is a child of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import anyio
+from opentelemetry.trace import SpanKind
+
+from protocols import MidflightError, ParticipantKind, WireError, call_span
+
+from ._client import ControlClient
+from ._tracing import coordinator_span
+
+T = TypeVar("T")
+
+
+class CoordinationError(MidflightError):
+    """One coordinated operation failed on some participants.
+
+    Attributes:
+        operation: The operation (``prepare``, ``commit``, ``restore``, …).
+        failures: Server name → what went wrong there.
+        causes: Server name → the exception itself (typed ``WireError`` when the server
+            answered with an error envelope).
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        failures: Mapping[str, str],
+        causes: Mapping[str, BaseException] | None = None,
+    ) -> None:
+        self.operation = operation
+        self.failures = dict(failures)
+        self.causes = dict(causes or {})
+        listed = "; ".join(f"{name}: {message}" for name, message in sorted(self.failures.items()))
+        super().__init__(f"{operation} failed: {listed}")
+
+
+@dataclass(frozen=True)
+class Member:
+    """One discovered participant.
+
+    Attributes:
+        kind: Its participant kind.
+        instance: Its server name (a path component of the checkpoint layout).
+        url: Its root URL.
+        client: Its control client (a reserved connection pool).
+    """
+
+    kind: ParticipantKind
+    instance: str
+    url: str
+    client: ControlClient = field(compare=False, repr=False)
+
+
+def describe(error: BaseException) -> str:
+    if isinstance(error, WireError):
+        # The wire code first: it is what an operator greps for and what the error table lists.
+        return f"{error.code}: {error.detail}"
+    return f"{type(error).__name__}: {error}"
+
+
+async def each(
+    operation: str, members: Sequence[Member], call: Callable[[Member], Awaitable[T]]
+) -> tuple[dict[str, T], dict[str, BaseException]]:
+    """Run ``call`` on every member concurrently; collect replies and failures by server name.
+
+    Each call is a client span ``gym.checkpoint.call.<operation>`` naming its participant.
+    """
+    replies: dict[str, T] = {}
+    failures: dict[str, BaseException] = {}
+
+    async def one(member: Member) -> None:
+        try:
+            with coordinator_span(
+                call_span(operation),
+                kind=SpanKind.CLIENT,
+                participant_kind=member.kind,
+                instance=member.instance,
+            ):
+                replies[member.instance] = await call(member)
+        except Exception as exc:  # any failure is reported per participant, never lost
+            failures[member.instance] = exc
+
+    async with anyio.create_task_group() as group:
+        for member in members:
+            group.start_soon(one, member)
+    return replies, failures
+
+
+def raise_if(operation: str, failures: Mapping[str, BaseException]) -> None:
+    if failures:
+        raise CoordinationError(
+            operation, {name: describe(exc) for name, exc in failures.items()}, failures
+        )

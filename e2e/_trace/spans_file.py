@@ -1,0 +1,135 @@
+"""Spans as JSON lines in a trace directory: one file per process, one line per finished span.
+
+The line format (what ``midflight trace`` reads)::
+
+    {"name": "gym.checkpoint.prepare", "trace_id": "<32 hex>", "span_id": "<16 hex>",
+     "parent_span_id": "<16 hex>" | null, "kind": "SERVER" | "CLIENT" | "INTERNAL" | ...,
+     "start_ns": int, "end_ns": int, "status": "UNSET" | "OK" | "ERROR",
+     "attributes": {...}, "events": [{"name", "time_ns", "attributes"}],
+     "links": [{"trace_id", "span_id", "attributes"}],
+     "resource": {"service.name": ..., "service.instance.id": ..., "process.pid": int, ...}}
+
+A span is written when it ends, with one ``os.write`` on a descriptor opened ``O_APPEND``, like a
+log line (D319): what a process wrote before a SIGKILL is in the file; a power loss may lose the
+tail, and a reader skips a torn last line. Each process writes its own file
+(``spans-<service>-<pid>.jsonl``), so lines of two processes never interleave.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.trace import format_span_id, format_trace_id
+
+SPANS_FILE_GLOB: Final = "spans-*.jsonl"
+"""The files of a trace directory that hold spans."""
+
+_UNSAFE: Final = re.compile(r"[^A-Za-z0-9_.-]+")
+
+
+def spans_file_name(service: str, pid: int) -> str:
+    """``spans-<service>-<pid>.jsonl``, the service name made safe as a file name."""
+    return f"spans-{_UNSAFE.sub('_', service) or 'midflight'}-{pid}.jsonl"
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, str | bool | int | float) or value is None:
+        return value
+    return [_jsonable(item) for item in value]  # OpenTelemetry's sequences of primitives
+
+
+def span_line(span: ReadableSpan) -> dict[str, Any]:
+    """One finished span in the trace directory's line format."""
+    context = span.get_span_context()
+    parent = span.parent
+    assert context is not None
+    return {
+        "name": span.name,
+        "trace_id": format_trace_id(context.trace_id),
+        "span_id": format_span_id(context.span_id),
+        "parent_span_id": None if parent is None else format_span_id(parent.span_id),
+        "kind": span.kind.name,
+        "start_ns": span.start_time,
+        "end_ns": span.end_time,
+        "status": span.status.status_code.name,
+        "attributes": {k: _jsonable(v) for k, v in (span.attributes or {}).items()},
+        "events": [
+            {
+                "name": event.name,
+                "time_ns": event.timestamp,
+                "attributes": {k: _jsonable(v) for k, v in (event.attributes or {}).items()},
+            }
+            for event in span.events
+        ],
+        "links": [
+            {
+                "trace_id": format_trace_id(link.context.trace_id),
+                "span_id": format_span_id(link.context.span_id),
+                "attributes": {k: _jsonable(v) for k, v in (link.attributes or {}).items()},
+            }
+            for link in span.links
+        ],
+        "resource": {k: _jsonable(v) for k, v in span.resource.attributes.items()},
+    }
+
+
+class SpansFileExporter(SpanExporter):
+    """Appends each exported span to ``<directory>/spans-<service>-<pid>.jsonl``.
+
+    Args:
+        directory: The trace directory (created if missing).
+        service: The process's service name (part of the file name).
+    """
+
+    def __init__(self, directory: Path, service: str) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / spans_file_name(service, os.getpid())
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        """Write ``spans``, one line each, in one write."""
+        data = "".join(
+            json.dumps(span_line(span), separators=(",", ":")) + "\n" for span in spans
+        ).encode()
+        with self._lock:
+            if self._fd is None:
+                return SpanExportResult.FAILURE
+            view = memoryview(data)
+            while view:
+                written = os.write(self._fd, view)
+                view = view[written:]
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        """Close the file."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Nothing is buffered: every export was written at once."""
+        return True
+
+
+def read_span_lines(directory: Path) -> list[dict[str, Any]]:
+    """Every span line of every spans file in ``directory`` (torn or foreign lines skipped)."""
+    lines: list[dict[str, Any]] = []
+    for path in sorted(directory.glob(SPANS_FILE_GLOB)):
+        for raw in path.read_bytes().splitlines():
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue  # the last line of a process killed while writing it
+            if isinstance(line, dict) and "trace_id" in line and "span_id" in line:
+                lines.append(line)
+    return lines

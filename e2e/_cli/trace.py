@@ -58,8 +58,9 @@ def _render(
     for restore in restores:
         of = escape(restore.checkpoint_id or "an unknown checkpoint")
         where = "" if restore.checkpoint_in_directory else " (its checkpoint is not in DIR)"
+        named = escape(restore.restore_id or restore.trace_id[:8] + "…")
         console.print(
-            f"restore {restore.trace_id[:8]}… of {of}: {restore.seconds:.3f} s{where}",
+            f"restore {named} continued {of}: {restore.seconds:.3f} s{where}",
             soft_wrap=True,
         )
     if out is not None:

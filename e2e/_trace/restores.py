@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from protocols import COLLECTION_CHECKPOINT_SPAN, COLLECTION_RESTORE_SPAN, operation_span
 
-from .spans import Span, checkpoint_id_of, lanes_of, participant_spans, root_of
+from .spans import Span, attribute_of, checkpoint_id_of, lanes_of, participant_spans, root_of
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,9 @@ class Restore:
 
     Attributes:
         trace_id: The restore trace's id.
-        checkpoint_id: The id of the checkpoint restored (``None`` when no span carries one).
+        restore_id: The id the restore's control calls used (``None`` when no span carries one).
+        checkpoint_id: The id of the checkpoint restored: the root's ``source``, else that of the
+            linked checkpoint, else the restore's own id (``None`` when none is known).
         checkpoint_trace_id: The trace of that checkpoint: the root's link, else the trace of
             the latest earlier checkpoint with that id in the directory, else ``None``.
         linked_by: ``link``, ``id`` or ``None``: how ``checkpoint_trace_id`` was found.
@@ -35,6 +37,7 @@ class Restore:
     """
 
     trace_id: str
+    restore_id: str | None
     checkpoint_id: str | None
     checkpoint_trace_id: str | None
     linked_by: Literal["link", "id"] | None
@@ -47,6 +50,7 @@ class Restore:
         """The restore as ``midflight trace --json`` prints it."""
         return {
             "trace_id": self.trace_id,
+            "restore_id": self.restore_id,
             "checkpoint_id": self.checkpoint_id,
             "checkpoint_trace_id": self.checkpoint_trace_id,
             "linked_by": self.linked_by,
@@ -80,17 +84,25 @@ def restore_of(
     root = root_of(spans, COLLECTION_RESTORE_SPAN)
     start_ns = root.start_ns if root is not None else min(span.start_ns for span in spans)
     end_ns = root.end_ns if root is not None else max(span.end_ns for span in spans)
-    checkpoint_id = checkpoint_id_of(spans, root)
+    restore_id = checkpoint_id_of(spans, root)
+    # The root names the checkpoint it restores; so does each participant's restore span.
+    sources = [attribute_of(span, "source") for span in ([root] if root else []) + list(spans)]
+    source = next((value for value in sources if isinstance(value, str)), None)
+    checkpoint_id = source if source is not None else restore_id
     linked: str | None = None
     linked_by: Literal["link", "id"] | None = None
     if root is not None and root.links:
         linked, linked_by = root.links[0][0], "link"
+        named = [c for t, c, _ in checkpoints if t == linked]
+        if source is None and named and named[-1] is not None:
+            checkpoint_id = named[-1]
     elif checkpoint_id is not None:
         earlier = [t for t, c, s in checkpoints if c == checkpoint_id and s <= start_ns]
         if earlier:
             linked, linked_by = earlier[-1], "id"
     return Restore(
         trace_id=trace_id,
+        restore_id=restore_id,
         checkpoint_id=checkpoint_id,
         checkpoint_trace_id=linked,
         linked_by=linked_by,

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
+from opentelemetry import trace
 from pydantic import ValidationError
 
 from protocols import (
@@ -132,6 +133,10 @@ class RestoreProcedure:
         )
         records = share.records
         plane.telemetry.moved("restore", records=len(records), size=share.bytes_read)
+        # The restore's own id names the restore; the span also names the checkpoint it reads.
+        set_checkpoint_attributes(
+            trace.get_current_span(), source=share.manifest.get("checkpoint_id")
+        )
         restored = _restored_keys(records, scope)
         if plane.clock.time() >= deadline:
             raise DeadlineExceededError("the deadline passed while reading the checkpoint")

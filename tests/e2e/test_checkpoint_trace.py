@@ -185,7 +185,9 @@ async def test_a_restore_is_a_trace_of_its_own_linked_to_the_checkpoint(
         "agent",
         "resources",
     }
+    assert attributes(restore)[attribute("source")] == "ck-1"
     for span in own:
+        assert attributes(span)[attribute("source")] == "ck-1", "the checkpoint it read"
         parts = {s.name for s in children(spans, span)}
         assert {"gym.checkpoint.read", "gym.checkpoint.install"} <= parts
     check_no_secret(spans)

@@ -119,6 +119,7 @@ def test_the_json_of_one_checkpoint_is_read_from_every_process(
     assert payload["restores"] == [
         {
             "trace_id": ids["restore"],
+            "restore_id": "restore-1",
             "checkpoint_id": "ck-0003",
             "checkpoint_trace_id": ids["ck3"],
             "linked_by": "link",
@@ -186,12 +187,14 @@ def test_the_picture_is_a_png(traced: tuple[Path, dict[str, str]], tmp_path: Pat
 def test_the_summary_for_people_names_each_checkpoint_and_the_picture(
     traced: tuple[Path, dict[str, str]],
 ) -> None:
-    trace_dir, ids = traced
+    trace_dir, _ = traced
     result = invoke(str(trace_dir))
     assert result.exit_code == 0, result.output
     text = result.stdout
     rows = {
-        line.split()[1]: line.split("│")[2:-1] for line in text.splitlines() if "ck-000" in line
+        line.split()[1]: line.split("│")[2:-1]
+        for line in text.splitlines()
+        if "ck-000" in line and "│" in line
     }
     assert [cell.strip() for cell in rows["ck-0002"]] == ["0.049 s", "1", "?", "0", "missing"]
     assert [cell.strip() for cell in rows["ck-0003"]] == [
@@ -201,7 +204,8 @@ def test_the_summary_for_people_names_each_checkpoint_and_the_picture(
         "agent 2",
         "seen",
     ]
-    assert f"restore {ids['elsewhere'][:8]}… of ck-0001" in text
+    assert "restore restore-9 continued ck-0001" in text
+    assert "restore restore-1 continued ck-0003" in text
     assert "(its checkpoint is not in DIR)" in text
     assert f"timeline of ck-0003: {trace_dir / 'timeline-ck-0003.png'}\n" in text
 

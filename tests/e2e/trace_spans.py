@@ -185,14 +185,18 @@ def build_trace_dir(trace_dir: Path, scratch: Path) -> dict[str, str]:
     # The restore of ck-0003, linked to its root; one of a checkpoint not in the directory; and
     # one whose root was lost, matched by id.
     link = Link(root.get_span_context())
-    restore = d.span("collection.restore", 1000, 1300, links=[link], **ck)
+    # A restore's spans carry its own id; the root and each participant name its source.
+    of_ck3 = {"id": "restore-1", "source": "ck-0003"}
+    restore = d.span("collection.restore", 1000, 1300, links=[link], **of_ck3)
     for lane, (start, end) in {"environment": (1010, 1100), "model": (1020, 1200)}.items():
-        done = p[lane].span("restore", start, end, restore, records=3, outcome="ok", **ck)
-        p[lane].span("read", start + 5, start + 40, done, **ck)
-        p[lane].span("install", start + 40, end - 5, done, **ck)
+        done = p[lane].span("restore", start, end, restore, records=3, outcome="ok", **of_ck3)
+        p[lane].span("read", start + 5, start + 40, done, id="restore-1")
+        p[lane].span("install", start + 40, end - 5, done, id="restore-1")
     foreign = SpanContext(0xABC, 0x1, is_remote=True)
-    elsewhere = d.span("collection.restore", 2000, 2100, links=[Link(foreign)], id="ck-0001")
-    rootless = p["environment"].span("restore", 3000, 3050, id="ck-0002")
+    elsewhere = d.span(
+        "collection.restore", 2000, 2100, links=[Link(foreign)], id="restore-9", source="ck-0001"
+    )
+    rootless = p["environment"].span("restore", 3000, 3050, id="restore-3", source="ck-0002")
     for process in p.values():
         process.close()
     with p["model"].path.open("a") as model_file:

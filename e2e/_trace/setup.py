@@ -24,9 +24,9 @@ from typing import Final
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from .spans_file import SpansFileExporter
+from .spans_file import SpansFileExporter, SpansFileProcessor
 
 TRACE_DIR_ENV: Final = "MIDFLIGHT_TRACE_DIR"
 """The trace directory, inherited by every process a traced command starts."""
@@ -120,8 +120,8 @@ def configure_tracing(
     if choice.trace_dir is not None:
         directory = choice.trace_dir.resolve()
         os.environ[TRACE_DIR_ENV] = str(directory)
-        # Written as each span ends, so a SIGKILL keeps every span that finished (D319).
-        provider.add_span_processor(SimpleSpanProcessor(SpansFileExporter(directory, service)))
+        # Written by a thread as each span ends: a SIGKILL keeps every span that finished (D327).
+        provider.add_span_processor(SpansFileProcessor(SpansFileExporter(directory, service)))
     if choice.otlp:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 

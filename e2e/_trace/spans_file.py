@@ -9,23 +9,27 @@ The line format (what ``midflight trace`` reads)::
      "links": [{"trace_id", "span_id", "attributes"}],
      "resource": {"service.name": ..., "service.instance.id": ..., "process.pid": int, ...}}
 
-A span is written when it ends, with one ``os.write`` on a descriptor opened ``O_APPEND``, like a
-log line (D319): what a process wrote before a SIGKILL is in the file; a power loss may lose the
-tail, and a reader skips a torn last line. Each process writes its own file
-(``spans-<service>-<pid>.jsonl``), so lines of two processes never interleave.
+A span is handed, as it ends, to a writer thread that encodes it and appends it at once with one
+``os.write`` on a descriptor opened ``O_APPEND`` (:class:`SpansFileProcessor`, D319, D327): no
+file work on the event loop, and what a process ended before a SIGKILL is in the file (bar the
+microseconds between a span's end and its write); a power loss may lose the tail, and a reader
+skips a torn last line. Each process writes its own file (``spans-<service>-<pid>.jsonl``), so
+lines of two processes never interleave.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.context import Context
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.trace import format_span_id, format_trace_id
 
@@ -119,6 +123,70 @@ class SpansFileExporter(SpanExporter):
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         """Nothing is buffered: every export was written at once."""
         return True
+
+
+_BATCH: Final = 512
+"""Most spans one write carries (what queued up while the thread was writing)."""
+
+
+class SpansFileProcessor(SpanProcessor):
+    """Hands each ended span to a thread that writes it at once (not batched, not on the loop).
+
+    Args:
+        exporter: Where the spans go.
+    """
+
+    def __init__(self, exporter: SpansFileExporter) -> None:
+        self._exporter = exporter
+        self._queue: queue.SimpleQueue[ReadableSpan | threading.Event | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._write, name="midflight-spans", daemon=True)
+        self._thread.start()
+
+    def on_start(self, span: Span, parent_context: Context | None = None) -> None:
+        """Nothing: a span is written when it ends."""
+
+    def on_end(self, span: ReadableSpan) -> None:
+        """Queue the span for the writer thread (a sampled one; the queue never blocks)."""
+        if span.context is not None and span.context.trace_flags.sampled:
+            self._queue.put(span)
+
+    def _write(self) -> None:
+        while True:
+            item = self._queue.get()
+            batch: list[ReadableSpan] = []
+            flushed: list[threading.Event] = []
+            stop = False
+            while True:
+                if item is None:
+                    stop = True
+                elif isinstance(item, threading.Event):
+                    flushed.append(item)
+                else:
+                    batch.append(item)
+                if stop or len(batch) >= _BATCH:
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+            if batch:
+                self._exporter.export(batch)
+            for event in flushed:
+                event.set()
+            if stop:
+                return
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        """Wait until every span queued so far is written."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout_millis / 1000)
+
+    def shutdown(self) -> None:
+        """Write what is queued, stop the thread, close the file."""
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._exporter.shutdown()
 
 
 def read_span_lines(directory: Path) -> list[dict[str, Any]]:

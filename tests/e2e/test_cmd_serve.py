@@ -69,7 +69,9 @@ def test_processes_and_its_older_name_workers_start_the_same_server(
     flag: str, role: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     started: list[ServeContext] = []
-    monkeypatch.setattr("e2e._cli.serve.run_server", lambda app, options: started.append(options))
+    monkeypatch.setattr(
+        "e2e._cli.serve.run_server", lambda app, options, role: started.append(options)
+    )
     result = CliRunner().invoke(
         build_app(), ["serve", role, flag, "3", "--port", "0", "--root", str(tmp_path)]
     )

@@ -178,7 +178,7 @@ async def test_a_continued_call_hands_the_engine_its_durable_prefix_and_its_vers
 def _serve(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *args: str) -> tuple[Any, list[Any]]:
     """Run ``serve worker`` up to the point it would serve; the apps it would have served."""
     started: list[Any] = []
-    monkeypatch.setattr("e2e._cli.serve.run_server", lambda app, options: started.append(app))
+    monkeypatch.setattr("e2e._cli.serve.run_server", lambda app, options, role: started.append(app))
     result = CliRunner().invoke(
         build_app(), ["serve", "worker", "--port", "0", "--root", str(tmp_path), *args]
     )

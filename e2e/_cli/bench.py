@@ -12,8 +12,9 @@ from rich.table import Table
 from .._bench.common import quiet_logs
 from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
+from .._bench.tracing import run_tracing_bench
 from .bench_suites import add_suite_commands
-from .output import JsonOption, console, emit
+from .output import JsonOption, console, emit, usage_error
 
 
 def register(app: typer.Typer) -> None:
@@ -102,6 +103,89 @@ def register(app: typer.Typer) -> None:
                 f"floor (one read and one append, each through one thread round trip): "
                 f"{payload['floor_cpu_us_per_call']:.1f} CPU µs / call; ours is "
                 f"{payload['ratio']:.2f}x that. Wall: {payload['wall_us_per_call']:.1f} µs / call."
+            )
+
+        emit(payload, as_json=as_json, render=render)
+
+    @bench.command("tracing")
+    def tracing_command(
+        rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per data-plane window.")] = 100,
+        concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight.")] = 8,
+        rounds: Annotated[
+            int, typer.Option(min=1, help="Rounds, each both modes (the order flips).")
+        ] = 5,
+        parked: Annotated[
+            int, typer.Option(min=1, help="Rollouts parked at each mode's checkpoint.")
+        ] = 50,
+        directory: Annotated[
+            Path | None,
+            typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
+        ] = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """Tracing off and on: µs per model call, the checkpoint pause, spans written."""
+        if directory is not None and not directory.is_dir():
+            usage_error(f"--dir {directory} is not a directory")
+        try:
+            with (
+                tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,
+                quiet_logs(),
+            ):
+                payload = run_tracing_bench(
+                    Path(scratch),
+                    rollouts=rollouts,
+                    concurrency=concurrency,
+                    rounds=rounds,
+                    parked=parked,
+                )
+        except RuntimeError as exc:
+            usage_error(str(exc))
+
+        def render() -> None:
+            table = Table(
+                title=f"tracing: median of {rounds} round{'s' if rounds > 1 else ''}, {rollouts} rollouts "
+                f"({payload['calls_per_rollout']} model calls, "
+                f"{payload['http_requests_per_rollout']:g} requests each), {concurrency} in "
+                f"flight, {parked} parked at the checkpoint; load average "
+                f"{payload['loadavg'][0]:g}"
+            )
+            for column in (
+                "mode",
+                "µs / call",
+                "CPU µs / call",
+                "checkpoint s",
+                "spans / rollout",
+                "spans / checkpoint",
+            ):
+                table.add_column(column, justify="left" if column == "mode" else "right")
+            table.add_row(
+                "off (floor)",
+                f"{payload['off_us_per_call']:.1f}",
+                f"{payload['off_cpu_us_per_call']:.1f}",
+                f"{payload['checkpoint_off_s']:.3f}",
+                "0",
+                "0",
+            )
+            table.add_row(
+                "on (all traced)",
+                f"{payload['on_us_per_call']:.1f}",
+                f"{payload['on_cpu_us_per_call']:.1f}",
+                f"{payload['checkpoint_on_s']:.3f}",
+                f"{payload['spans_per_rollout']:g}",
+                f"{payload['spans_per_checkpoint']:g}",
+            )
+            console.print(table)
+            micro = payload["span_call"]
+            console.print(
+                f"on - off: {payload['overhead_us_per_call']:.1f} µs / call "
+                f"({payload['ratio']}x; CPU {payload['cpu_ratio']}x; round by round "
+                f"{payload['round_ratios']}). floor: {payload['floor']}."
+            )
+            console.print(
+                f"one checkpoint_span with no provider: {micro['span_off_ns']:.0f} ns (an empty "
+                f"nullcontext: {micro['nullcontext_ns']:.0f} ns, an empty @contextmanager: "
+                f"{micro['empty_contextmanager_ns']:.0f} ns); with the provider on and the spans "
+                f"file written: {micro['span_on_ns']:.0f} ns."
             )
 
         emit(payload, as_json=as_json, render=render)

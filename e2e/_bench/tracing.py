@@ -4,8 +4,11 @@ The modes alternate round by round (the order flips each round), so both see the
 
 - **off**: no tracer provider installed (every deployment unless it asks for tracing); every
   span call returns at its first check. This is the floor.
-- **on**: the SDK's provider with a ``SimpleSpanProcessor`` writing each span to a JSON-lines file
-  as it ends (what ``--trace-dir`` installs), every rollout inside a ``ROLLOUT_SPAN``: each
+- **checkpoints**: the same provider, rollouts untraced: a controller that traces its checkpoints
+  and not its rollouts (a request without a ``traceparent`` gets no span). What a deployment
+  with tracing on pays on its data plane.
+- **on**: the SDK's provider with the ``SpansFileProcessor`` handing each span, as it ends, to the
+  thread that writes it to a JSON-lines file (what ``--trace-dir`` installs), every rollout inside a ``ROLLOUT_SPAN``: each
   data-plane call carries a ``traceparent`` and gets a server span on every hop. The worst case.
 
 Each mode measures, each part on a fresh :class:`~e2e._bench.common.InProcessCluster`: (1) the
@@ -23,8 +26,8 @@ import functools
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager, nullcontext
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
@@ -35,20 +38,22 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from opentelemetry.util._once import Once
 
 from coordinator import checkpoint_trace
-from participants import checkpoint_span, tracing_on
+from participants import tracing_on
 from protocols import COLLECTION_CHECKPOINT_SPAN, ROLLOUT_SPAN, EpisodeId
 
 from .._trace.propagation import TRACE_HOOKS
 from .._trace.setup import PROCESS_ATTRIBUTE, SERVER_ATTRIBUTE
-from .._trace.spans_file import SpansFileExporter
+from .._trace.spans_file import SpansFileExporter, SpansFileProcessor
 from .checkpoint import DISPATCH_BATCH, PARKED_WORKLOAD, take_checkpoint
 from .common import PARKING, InProcessCluster, Workload, median, ratio, wait_for
+from .span_costs import span_costs
 
-MODES: Final = ("off", "on")
+MODES: Final = ("off", "checkpoints", "on")
+"""off: no provider; checkpoints: the provider, rollouts untraced; on: everything traced."""
 SERVICE: Final = "midflight-bench"
 FLOOR: Final = "off: no tracer provider installed; every span call returns at its first check"
 DATA_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=16, token_delay_ms=0.0)
@@ -99,8 +104,8 @@ def _bench_tracing() -> _BenchTracing:
     )
     provider = TracerProvider(resource=resource)
     exporter = _RunExporter()
-    # As ``--trace-dir`` installs it: each span written when it ends, one line each.
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    # As ``--trace-dir`` installs it: each span written by a thread as it ends, one line each.
+    provider.add_span_processor(SpansFileProcessor(exporter))
     return _BenchTracing(provider, exporter)
 
 
@@ -117,10 +122,11 @@ def _install(provider: TracerProvider | None) -> None:
 @contextmanager
 def _mode(mode: str, tracing: _BenchTracing) -> Iterator[None]:
     """The mode's provider installed for the block (none for off), uninstalled after."""
-    _install(tracing.provider if mode == "on" else None)
+    _install(tracing.provider if mode != "off" else None)
     try:
         yield
     finally:
+        tracing.provider.force_flush()  # every span of the window in its file before it is read
         _install(None)
 
 
@@ -129,9 +135,12 @@ def _lines_since(spans: Path, mark: int) -> list[dict[str, Any]]:
     return [json.loads(raw) for raw in spans.read_bytes()[mark:].splitlines()]
 
 
-def _rollout_tracer() -> trace.Tracer:
+def _rollout_tracer(mode: str) -> trace.Tracer:
     """What the drill's dispatcher opens ``ROLLOUT_SPAN`` with, asked for afresh each window: a
-    no-op tracer while no provider is installed (a bound ``ProxyTracer`` would keep recording)."""
+    no-op tracer while no provider is installed (a bound ``ProxyTracer`` would keep recording),
+    and in ``checkpoints`` mode, where a controller traces its checkpoints and not its rollouts."""
+    if mode == "checkpoints":
+        return trace.NoOpTracer()
     return trace.get_tracer_provider().get_tracer("midflight.bench")
 
 
@@ -153,10 +162,10 @@ async def _cluster(root: Path, workload: Workload) -> AsyncIterator[InProcessClu
 
 
 async def _data_plane(
-    root: Path, *, rollouts: int, concurrency: int, spans: Path
+    root: Path, *, rollouts: int, concurrency: int, spans: Path, mode: str = "on"
 ) -> dict[str, Any]:
     """``rollouts`` rollouts, ``concurrency`` at a time: wall and CPU seconds, span lines."""
-    tracer = _rollout_tracer()
+    tracer = _rollout_tracer(mode)
     async with _cluster(root, DATA_WORKLOAD) as cluster:
         names = iter(range(rollouts))
 
@@ -174,9 +183,9 @@ async def _data_plane(
     return {"wall_s": wall, "cpu_s": cpu, "spans": len(lines), "lines": lines}
 
 
-async def _checkpoint(root: Path, *, parked: int, spans: Path) -> dict[str, Any]:
+async def _checkpoint(root: Path, *, parked: int, spans: Path, mode: str) -> dict[str, Any]:
     """``parked`` rollouts generating, then one checkpoint: its pause and span lines."""
-    tracer = _rollout_tracer()
+    tracer = _rollout_tracer(mode)
     async with (
         _cluster(root, PARKED_TRACED_WORKLOAD) as cluster,
         anyio.create_task_group() as group,
@@ -222,60 +231,14 @@ def _requests_counted() -> Iterator[list[int]]:
         httpx.ASGITransport.handle_async_request = serve  # type: ignore[method-assign]
 
 
-def _per_loop_ns(body: Callable[[], None], loops: int) -> float:
-    """Median over three timings of ``loops`` calls of ``body``: ns per call."""
-    timings = []
-    for _ in range(3):
-        start = time.perf_counter_ns()
-        for _ in range(loops):
-            body()
-        timings.append((time.perf_counter_ns() - start) / loops)
-    return round(sorted(timings)[1], 1)
-
-
-def _span_costs(tracing: _BenchTracing, loops: int) -> dict[str, Any]:
-    """ns per ``checkpoint_span`` with no provider, per empty ``nullcontext``, per empty
-    ``@contextmanager`` (the shape ``checkpoint_span`` has), and per span with the provider on."""
-
-    def empty() -> None:
-        with nullcontext():
-            pass
-
-    @contextmanager
-    def bare() -> Iterator[None]:
-        yield
-
-    def shape() -> None:
-        with bare():
-            pass
-
-    def span() -> None:
-        with checkpoint_span("midflight.bench.span", id="bench-micro"):
-            pass
-
-    off = _per_loop_ns(span, loops)
-    floor = _per_loop_ns(empty, loops)
-    generator = _per_loop_ns(shape, loops)
-    with _mode("on", tracing):
-        on = _per_loop_ns(span, max(loops // 20, 1))
-    return {
-        "span_off_ns": off,
-        "nullcontext_ns": floor,
-        "span_off_extra_ns": round(off - floor, 1),
-        "empty_contextmanager_ns": generator,
-        "span_on_ns": on,
-        "loops": loops,
-    }
-
-
 def _per_mode(windows: list[dict[str, Any]], mode: str, key: str) -> list[float]:
     return [w[key] for w in windows if w["mode"] == mode and w.get(key) is not None]
 
 
-def _round_ratios(windows: list[dict[str, Any]], key: str) -> list[float | None]:
-    """Each round's on / off: the two saw the same minutes of a machine whose load drifts."""
+def _round_ratios(windows: list[dict[str, Any]], key: str, mode: str = "on") -> list[float | None]:
+    """Each round's ``mode`` / off: both saw the same minutes of a machine whose load drifts."""
     by = {(w["round"], w["mode"]): w[key] for w in windows}
-    return [ratio(by[r, "on"], by[r, "off"]) for r in sorted({w["round"] for w in windows})]
+    return [ratio(by[r, mode], by[r, "off"]) for r in sorted({w["round"] for w in windows})]
 
 
 def run_tracing_bench(
@@ -320,9 +283,15 @@ def run_tracing_bench(
                 root = directory / f"round{index}-{mode}"
                 with _mode(mode, tracing):
                     plane = await _data_plane(
-                        root / "plane", rollouts=rollouts, concurrency=concurrency, spans=spans
+                        root / "plane",
+                        rollouts=rollouts,
+                        concurrency=concurrency,
+                        spans=spans,
+                        mode=mode,
                     )
-                    point = await _checkpoint(root / "checkpoint", parked=parked, spans=spans)
+                    point = await _checkpoint(
+                        root / "checkpoint", parked=parked, spans=spans, mode=mode
+                    )
                 servers = sum(1 for line in plane.pop("lines") if line["kind"] == "SERVER")
                 windows.append(
                     {
@@ -344,24 +313,24 @@ def run_tracing_bench(
 
     try:
         requests, windows = anyio.run(main)
-        micro = _span_costs(tracing, micro_loops)
+        micro = span_costs(lambda: _mode("on", tracing), micro_loops)
     finally:
         _install(None)
         tracing.exporter.target = None
         files.shutdown()
 
-    def pair(key: str) -> tuple[float, float]:
-        off, on = (round(median(_per_mode(windows, mode, key)), 3) for mode in MODES)
-        return off, on
+    def each(key: str) -> tuple[float, float, float]:
+        off, checkpoints, on = (round(median(_per_mode(windows, m, key)), 3) for m in MODES)
+        return off, checkpoints, on
 
-    (off, on), (off_cpu, on_cpu), (off_pause, on_pause) = (
-        pair(key) for key in ("us_per_call", "cpu_us_per_call", "checkpoint_s")
+    (off, only, on), (off_cpu, only_cpu, on_cpu), (off_pause, only_pause, on_pause) = (
+        each(key) for key in ("us_per_call", "cpu_us_per_call", "checkpoint_s")
     )
     return {
         "suite": "tracing",
         "parking": PARKING,
         "floor": FLOOR,
-        "on": "the SDK provider, a SimpleSpanProcessor writing each span to a JSON-lines file (as "
+        "on": "the SDK provider, its spans written by a thread to a JSON-lines file as each ends (as "
         "--trace-dir installs), every rollout inside a ROLLOUT_SPAN: everything traced",
         "loadavg": loadavg,
         "loadavg_end": [round(value, 2) for value in os.getloadavg()],
@@ -381,6 +350,14 @@ def run_tracing_bench(
         "on_cpu_us_per_call": on_cpu,
         "cpu_overhead_us_per_call": round(on_cpu - off_cpu, 3),
         "cpu_ratio": ratio(on_cpu, off_cpu),
+        "checkpoints_us_per_call": only,
+        "checkpoints_overhead_us_per_call": round(only - off, 3),
+        "checkpoints_ratio": ratio(only, off),
+        "checkpoints_cpu_us_per_call": only_cpu,
+        "checkpoints_spans_per_rollout": median(
+            _per_mode(windows, "checkpoints", "spans_per_rollout")
+        ),
+        "checkpoint_checkpoints_s": only_pause,
         "off_us_per_rollout": round(off * calls, 3),
         "on_us_per_rollout": round(on * calls, 3),
         "checkpoint_off_s": off_pause,

@@ -112,7 +112,7 @@ def register(app: typer.Typer) -> None:
         rollouts: Annotated[int, typer.Option(min=1, help="Rollouts per data-plane window.")] = 100,
         concurrency: Annotated[int, typer.Option(min=1, help="Rollouts in flight.")] = 8,
         rounds: Annotated[
-            int, typer.Option(min=1, help="Rounds, each both modes (the order flips).")
+            int, typer.Option(min=1, help="Rounds, each every mode (the order flips).")
         ] = 5,
         parked: Annotated[
             int, typer.Option(min=1, help="Rollouts parked at each mode's checkpoint.")
@@ -165,6 +165,14 @@ def register(app: typer.Typer) -> None:
                 f"{payload['checkpoint_off_s']:.3f}",
                 "0",
                 "0",
+            )
+            table.add_row(
+                "checkpoints traced, rollouts not",
+                f"{payload['checkpoints_us_per_call']:.1f}",
+                f"{payload['checkpoints_cpu_us_per_call']:.1f}",
+                f"{payload['checkpoint_checkpoints_s']:.3f}",
+                f"{payload['checkpoints_spans_per_rollout']:g}",
+                f"{payload['spans_per_checkpoint']:g}",
             )
             table.add_row(
                 "on (all traced)",

@@ -120,7 +120,7 @@ def configure_tracing(
     if choice.trace_dir is not None:
         directory = choice.trace_dir.resolve()
         os.environ[TRACE_DIR_ENV] = str(directory)
-        # Written by a thread as each span ends: a SIGKILL keeps every span that finished (D327).
+        # Written by a thread as each span ends: a SIGKILL keeps every span that finished (D319).
         provider.add_span_processor(SpansFileProcessor(SpansFileExporter(directory, service)))
     if choice.otlp:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter

@@ -10,7 +10,7 @@ The line format (what ``midflight trace`` reads)::
      "resource": {"service.name": ..., "service.instance.id": ..., "process.pid": int, ...}}
 
 A span is handed, as it ends, to a writer thread that encodes it and appends it at once with one
-``os.write`` on a descriptor opened ``O_APPEND`` (:class:`SpansFileProcessor`, D319, D327): no
+``os.write`` on a descriptor opened ``O_APPEND`` (:class:`SpansFileProcessor`, D319): no
 file work on the event loop, and what a process ended before a SIGKILL is in the file (bar the
 microseconds between a span's end and its write); a power loss may lose the tail, and a reader
 skips a torn last line. Each process writes its own file (``spans-<service>-<pid>.jsonl``), so
@@ -136,7 +136,7 @@ class SpansFileProcessor(SpanProcessor):
         exporter: Where the spans go.
     """
 
-    def __init__(self, exporter: SpansFileExporter) -> None:
+    def __init__(self, exporter: SpanExporter) -> None:
         self._exporter = exporter
         self._queue: queue.SimpleQueue[ReadableSpan | threading.Event | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._write, name="midflight-spans", daemon=True)

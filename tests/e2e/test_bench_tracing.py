@@ -72,16 +72,26 @@ def test_on_writes_spans_off_writes_none_and_tracing_is_off_afterwards(tmp_path:
     assert "ASGITransport" in payload["parking"]
     assert len(payload["loadavg"]) == 3
     windows = payload["windows"]
-    assert [(w["round"], w["mode"]) for w in windows] == [(0, "off"), (0, "on")]
-    off, on = windows
-    # Off wrote nothing to the spans file; on wrote spans for the rollouts and the checkpoint.
+    assert [(w["round"], w["mode"]) for w in windows] == [
+        (0, "off"),
+        (0, "checkpoints"),
+        (0, "on"),
+    ]
+    off, only, on = windows
+    # Off wrote nothing to the spans file; on wrote spans for the rollouts and the checkpoint;
+    # with the rollouts untraced, only the checkpoint wrote spans, as many as when all is traced.
     assert off["spans"] == 0 and off["checkpoint_spans"] == 0 and payload["off_spans"] == 0
     assert on["spans"] > 0 and on["checkpoint_spans"] > 0
+    assert only["spans"] == 0 and payload["checkpoints_spans_per_rollout"] == 0
+    assert only["checkpoint_trace_spans"] == only["checkpoint_spans"] > 0
+    assert payload["checkpoints_ratio"] == pytest.approx(
+        payload["checkpoints_us_per_call"] / payload["off_us_per_call"], abs=1e-3
+    )
     assert on["checkpoint_trace_spans"] == on["checkpoint_spans"], "one trace per checkpoint"
     lines = spans_in(tmp_path / payload["spans_file"])
-    assert len(lines) >= on["spans"] + on["checkpoint_spans"]
+    assert len(lines) >= on["spans"] + on["checkpoint_spans"] + only["checkpoint_spans"]
     assert sum(line["name"] == ROLLOUT_SPAN for line in lines) >= SMALL["rollouts"]
-    assert sum(line["name"] == COLLECTION_CHECKPOINT_SPAN for line in lines) == 1
+    assert sum(line["name"] == COLLECTION_CHECKPOINT_SPAN for line in lines) == 2
     # Every request of a traced rollout got a server span (the rollout span is one more).
     assert payload["spans_per_rollout"] > payload["server_spans_per_rollout"] > 0
     assert payload["server_spans_per_rollout"] == payload["http_requests_per_rollout"]
@@ -99,6 +109,7 @@ def test_on_writes_spans_off_writes_none_and_tracing_is_off_afterwards(tmp_path:
     assert payload["off_cpu_us_per_call"] > 0 and payload["on_cpu_us_per_call"] > 0
     assert payload["checkpoint_off_s"] > 0 and payload["checkpoint_on_s"] > 0
     assert off["checkpoint_cut"] == on["checkpoint_cut"] == SMALL["parked"], "every call cut"
+    assert only["checkpoint_cut"] == SMALL["parked"]
     micro = payload["span_call"]
     assert micro["span_off_ns"] > 0 and micro["nullcontext_ns"] > 0
     assert micro["span_on_ns"] > micro["span_off_ns"]

@@ -202,6 +202,17 @@ async def test_commit_writes_the_first_export_and_a_retry_returns_it(tmp_path: P
         )
         assert share.records == h.fake.exports[0]
         assert share.manifest == first.manifest.model_dump()
+        # The records and their bytes are counted once: the retry wrote nothing.
+        records_file = (
+            Path(h.directory()) / "gym" / "environment" / "fake" / first.manifest.records_file
+        )
+        registry = h.plane.telemetry.registry
+        moved = {"operation": "commit"}
+        assert registry.get_sample_value("midflight_checkpoint_records_total", moved) == 2
+        assert (
+            registry.get_sample_value("midflight_checkpoint_bytes_total", moved)
+            == records_file.stat().st_size
+        )
 
 
 @pytest.mark.parametrize("change", ["directory", "scope"])
@@ -415,6 +426,13 @@ async def test_restore_installs_next_attempts_and_fences_the_checkpointed_ones(
         assert reply.source_checkpoint_id == "c1"
         assert not h.fake.admission_open
         assert await h.plane.restore(restore_req(directory, [ep("b", 1), ep("a")])) == reply
+        # Read once: the replayed restore read nothing again.
+        records = next((Path(directory) / "gym" / "environment" / "fake").glob("records-*"))
+        registry, moved = h.plane.telemetry.registry, {"operation": "restore"}
+        assert registry.get_sample_value("midflight_checkpoint_records_total", moved) == 2
+        assert registry.get_sample_value("midflight_checkpoint_bytes_total", moved) == (
+            records.stat().st_size
+        )
         await h.plane.resume(req("r1"))
         with pytest.raises(StaleAttemptError):
             h.fake.start(ep("a"))

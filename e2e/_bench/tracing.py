@@ -131,7 +131,11 @@ def _mode(mode: str, tracing: _BenchTracing) -> Iterator[None]:
 
 
 def _lines_since(spans: Path, mark: int) -> list[dict[str, Any]]:
-    """The lines of the run's spans file past byte ``mark`` (read outside the timed parts)."""
+    """The lines of the run's spans file past byte ``mark`` (read outside the timed parts), once
+    the writer thread has written every span that ended."""
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        provider.force_flush()
     return [json.loads(raw) for raw in spans.read_bytes()[mark:].splitlines()]
 
 

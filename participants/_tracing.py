@@ -80,10 +80,8 @@ def checkpoint_span(
 
 def current_traceparent() -> str | None:
     """The current span's ``traceparent``, or ``None`` when nothing is traced."""
-    if not get_current_span().get_span_context().is_valid:
-        return None
     carrier: dict[str, str] = {}
-    propagate.inject(carrier)
+    inject_headers(carrier)
     return carrier.get(TRACEPARENT_HEADER)
 
 

@@ -7,13 +7,15 @@ server, and how many restores link to a published checkpoint's trace.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
+from coordinator import CHECKPOINT_FILE, CHECKPOINTS_SUBDIR, CheckpointManifest
 from protocols import COLLECTION_RESTORE_SPAN, SPAN_PREFIX, attribute
 
-from .._trace.checkpoints import read_trace_directory, timeline_file
+from .._trace.checkpoints import timeline_file, trace_directory_of
 from .._trace.setup import SERVER_ATTRIBUTE
 from .._trace.spans_file import read_span_lines
 
@@ -23,13 +25,13 @@ _KIND = attribute("participant_kind")
 def published_traces(run: Path) -> dict[str, str]:
     """Checkpoint id → the trace id its ``checkpoint.json`` stores, for every published one."""
     traces: dict[str, str] = {}
-    for manifest in sorted((run / "checkpoints").glob("*/checkpoint.json")):
+    for path in sorted((run / CHECKPOINTS_SUBDIR).glob(f"*/{CHECKPOINT_FILE}")):
         try:
-            stored = json.loads(manifest.read_text(encoding="utf-8")).get("traceparent")
-        except (OSError, ValueError):
+            stored = CheckpointManifest.model_validate_json(path.read_bytes()).traceparent
+        except (OSError, ValidationError):
             continue
-        if isinstance(stored, str) and stored.count("-") == 3:
-            traces[manifest.parent.name] = stored.split("-")[1]
+        if stored is not None and stored.count("-") == 3:
+            traces[path.parent.name] = stored.split("-")[1]
     return traces
 
 
@@ -67,13 +69,15 @@ def trace_figures(trace_dir: Path, run: Path) -> dict[str, Any]:
         "trace_checkpoints": len(published),
         "trace_checkpoints_whole": whole,
         "trace_restores_linked": linked,
-        "trace_timeline": draw_last_published(trace_dir, set(published.values())),
+        "trace_timeline": draw_last_published(lines, trace_dir, set(published.values())),
     }
 
 
-def draw_last_published(trace_dir: Path, published: set[str]) -> str | None:
+def draw_last_published(
+    lines: list[dict[str, Any]], trace_dir: Path, published: set[str]
+) -> str | None:
     """Draw the last published checkpoint's timeline beside the spans; its path, if drawn."""
-    found = [c for c in read_trace_directory(trace_dir).checkpoints if c.trace_id in published]
+    found = [c for c in trace_directory_of(lines).checkpoints if c.trace_id in published]
     if not found:
         return None
     from .._trace.timeline import draw_timeline  # matplotlib, only when a picture is drawn

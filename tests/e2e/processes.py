@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import selectors
@@ -13,6 +14,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -101,3 +103,17 @@ async def cut_one_call(
     receipt = GenerationCutReceipt.model_validate_json(reply.content)
     receipt.validate_for(inventory)
     return receipt
+
+
+def drill_json(keep_dir: Path, *args: str, timeout: float = 400) -> tuple[int, dict[str, Any]]:
+    """Run ``python -m e2e drill --json --keep-dir KEEP_DIR <args>``; its exit code and figures."""
+    completed = subprocess.run(
+        [sys.executable, "-m", "e2e", "drill", "--json", "--keep-dir", str(keep_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert completed.stdout.strip(), completed.stderr[-3000:]
+    figures: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
+    return completed.returncode, figures

@@ -16,6 +16,8 @@ import pytest
 from e2e._drill.oracle import ERROR_FIGURES
 from e2e._drill.run import BASELINE_MARKER, FAULTS
 
+from .processes import drill_json
+
 # A drill is a few dozen seconds on a quiet 2-core machine; a busy one may need several times that.
 pytestmark = [pytest.mark.process, pytest.mark.timeout(420)]
 
@@ -31,25 +33,7 @@ def baseline(tmp_path_factory: pytest.TempPathFactory) -> list[str]:
 
 
 def _drill(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "e2e",
-            "drill",
-            "--json",
-            "--keep-dir",
-            str(tmp_path),
-            *SMALL,
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
-    assert completed.stdout.strip(), completed.stderr[-3000:]
-    return completed.returncode, json.loads(completed.stdout.strip().splitlines()[-1])
+    return drill_json(tmp_path, *SMALL, *extra)
 
 
 def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -> None:

@@ -10,8 +10,6 @@ each restore is a trace of its own, linked to the trace of the checkpoint it res
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,6 +19,8 @@ import pytest
 from e2e._trace.spans_file import read_span_lines
 from protocols import COLLECTION_CHECKPOINT_SPAN, COLLECTION_RESTORE_SPAN, attribute
 
+from .processes import drill_json
+
 pytestmark = [pytest.mark.process, pytest.mark.timeout(600)]
 
 PARTICIPANTS = {"environment", "policy", "agent", "resources"}
@@ -28,32 +28,19 @@ SHARDS = 2
 
 
 def _drill(work: Path, traces: Path) -> dict[str, Any]:
-    completed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "e2e",
-            "drill",
-            "--json",
-            "--keep-dir",
-            str(work),
-            "--rollouts",
-            "4",
-            "--restart-only-share",
-            "0",
-            "--processes",
-            str(SHARDS),
-            "--trace-dir",
-            str(traces),
-        ],
-        capture_output=True,
-        text=True,
+    code, figures = drill_json(
+        work,
+        "--rollouts",
+        "4",
+        "--restart-only-share",
+        "0",
+        "--processes",
+        str(SHARDS),
+        "--trace-dir",
+        str(traces),
         timeout=540,
-        check=False,
     )
-    assert completed.stdout.strip(), completed.stderr[-3000:]
-    figures: dict[str, Any] = json.loads(completed.stdout.strip().splitlines()[-1])
-    assert completed.returncode == 0, figures["failures"]
+    assert code == 0, figures["failures"]
     return figures
 
 

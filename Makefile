@@ -18,12 +18,13 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-## The transformers engine's packages (the `engine` extra): what the fast tier's engine tests need.
-ENGINE_STAMP := $(VENV)/.engine-installed
+## The extras the fast tier's tests need: the transformers engine (`engine`) and a local S3 API
+## server with the S3 client (`s3-local`).
+ENGINE_STAMP := $(VENV)/.extras-installed
 
 $(ENGINE_STAMP): $(STAMP)
-	@echo "installing the engine extra (PyTorch CPU, transformers) into $(VENV) (once; about 1 min)..."
-	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,engine]'
+	@echo "installing the engine and s3-local extras (PyTorch CPU, transformers, obstore, moto) into $(VENV) (once; about 1 min)..."
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,engine,s3-local]'
 	@touch $(ENGINE_STAMP)
 
 engine: $(ENGINE_STAMP)

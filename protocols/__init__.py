@@ -1,6 +1,7 @@
 """The midflight wire contract: identities, models, errors, phases and storage format.
 
-Pure data and pure functions; nothing here performs I/O. Depends on pydantic only.
+Pure data and pure functions, with one exception: ``_store``, the checkpoint store both sides
+write through (a directory, or ``s3://`` with the ``s3`` extra; D327). Depends on pydantic only.
 """
 
 from ._call_record import CallRecord
@@ -131,6 +132,21 @@ from ._staging import (
     generation_cut_staging_key,
     staging_key,
 )
+from ._store import (
+    S3_SCHEME,
+    CheckpointStore,
+    ObjectMissingError,
+    StoredObject,
+    StoreError,
+    fsync_directory,
+    is_object_store_url,
+    key_under,
+    make_directory_durable,
+    open_store,
+    split_s3_url,
+    store_key,
+    write_file_durably,
+)
 from ._tokens import decode, encode, render_prompt
 from ._tracing import (
     ATTRIBUTE_PREFIX,
@@ -197,6 +213,7 @@ __all__ = [
     "RESUME_ORDER",
     "RETIRE_ORDER",
     "ROLLOUT_SPAN",
+    "S3_SCHEME",
     "SPAN_PREFIX",
     "TRACEPARENT_HEADER",
     "WAIT_READY_SPAN",
@@ -215,6 +232,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointOpenError",
     "CheckpointRequest",
+    "CheckpointStore",
     "CommitCoords",
     "CommitReply",
     "CommitRequest",
@@ -238,6 +256,7 @@ __all__ = [
     "LedgerBatchRequest",
     "LineageResolution",
     "MidflightError",
+    "ObjectMissingError",
     "ParticipantKind",
     "ParticipantManifest",
     "Phase",
@@ -264,6 +283,8 @@ __all__ = [
     "StaleAttemptError",
     "StaleCheckpointError",
     "StatusReply",
+    "StoreError",
+    "StoredObject",
     "TokenStagingStore",
     "UnauthorizedError",
     "WireError",
@@ -287,12 +308,17 @@ __all__ = [
     "encode_row",
     "error_from_envelope",
     "failure_row",
+    "fsync_directory",
     "generation_cut_staging_key",
     "hash_token_ids",
     "inventory_digest",
+    "is_object_store_url",
     "is_records_file_name",
+    "key_under",
+    "make_directory_durable",
     "manifest_from_rows",
     "next_phase",
+    "open_store",
     "operation_span",
     "participant_directory",
     "render_prompt",
@@ -301,8 +327,10 @@ __all__ = [
     "serialize_manifest",
     "shard_span",
     "sorted_capture_keys",
+    "split_s3_url",
     "stage_span",
     "staging_key",
+    "store_key",
     "task_digest",
     "validate_checkpoint_id",
     "validate_ledger_key",
@@ -310,4 +338,5 @@ __all__ = [
     "validate_rollout_ids",
     "validate_row",
     "validate_safe_name",
+    "write_file_durably",
 ]

@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 
-from coordinator import CheckpointTrace, checkpoint_trace
+from coordinator import CheckpointTrace, PrepareResult, checkpoint_trace
 from protocols import EpisodeId
 
 from .._servers.cluster import read_cluster
@@ -33,6 +33,11 @@ from .probes import ResourcesProbe, send_probes
 CUT_RETRIES = 6
 """Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
 D232); the last try is published whatever it carries."""
+
+
+def _cuts_taken(prepared: PrepareResult) -> int:
+    """The generations the model server cut when it closed admission (its ``cut`` count)."""
+    return sum(reply.report.counts.get("cut", 0) for reply in prepared.replies.values())
 
 
 class Driver(RolloutDispatcher):
@@ -85,14 +90,22 @@ class Driver(RolloutDispatcher):
                     self.retired[episode.rollout_id] = episode.attempt
                 await self.control.retire(f"retire-{checkpoint_id}", stragglers)
             return False
-        # A controller saves its own state between prepare and commit; meanwhile the generations
-        # in flight finish and their responses are held, so the commit must leave their rows out.
-        await anyio.sleep(self.plan.commit_delay_s)
         # A rollout some server cannot capture (a restart-only resources server) stays out of the
         # commit scope: after a crash it is retired and run again from its input.
         restarts = {e.capture_key for e in prepared.restarts()}
         in_scope = [EpisodeId(rollout_id=r, attempt=a) for r, a in sorted(scope.items())]
         episodes = prepared.continued(in_scope)
+        # The model server cuts the generations still running when its admission closes: with
+        # none cut (on a loaded machine they can all finish while the environment parks), this
+        # commit could carry no cut, so it is not made at all and another is taken.
+        if need_cut and episodes and not _cuts_taken(prepared):
+            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
+            self.abandoned += 1
+            return False
+        # A controller saves its own state between prepare and commit; meanwhile the generations
+        # in flight finish and their responses are held, so the commit must leave their rows out.
+        await anyio.sleep(self.plan.commit_delay_s)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
         # Only exported episodes can carry a cut: a commit of restarts alone is published as is.

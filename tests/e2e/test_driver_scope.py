@@ -22,7 +22,7 @@ from e2e._drill.driver import Driver
 from e2e._drill.plan import DriverPlan
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
-from protocols import EpisodeId
+from protocols import EpisodeId, Phase, PrepareReply, PrepareReport
 
 pytestmark = pytest.mark.anyio
 
@@ -161,11 +161,18 @@ async def test_an_attempt_whose_result_is_being_accepted_is_not_retirable(tmp_pa
 class _CutControl(_Control):
     """Also commits a directory, carries cuts as told, and counts publications and resumes."""
 
-    def __init__(self, root: Path, cuts: list[list[str]]) -> None:
+    def __init__(self, root: Path, cuts: list[list[str]], cut_at_prepare: int = 1) -> None:
         super().__init__(root)
         self.cuts = cuts
+        self.cut_at_prepare = cut_at_prepare  # the model server's "cut" count in its prepare reply
         self.published: list[str] = []
         self.resumed: list[str] = []
+
+    async def prepare(self, checkpoint_id: str, deadline: float) -> PrepareResult:
+        report = PrepareReport(ready=True, counts={"cut": self.cut_at_prepare})
+        return PrepareResult(
+            prepared=True, replies={"model": PrepareReply(phase=Phase.PREPARED, report=report)}
+        )
 
     async def commit(self, *args: Any) -> _Commit:
         checkpoint_id, directory = args[0], args[2]
@@ -223,5 +230,28 @@ async def test_a_commit_that_exported_nothing_is_published_even_without_a_cut(
         driver.in_flight = {}
         assert await driver.checkpoint(0, need_cut=True)
         assert control.published == ["ckpt-0-0"] and driver.abandoned == 0
+    finally:
+        await driver.http.aclose()
+
+
+async def test_a_commit_that_needs_a_cut_is_not_made_when_prepare_cut_nothing(
+    tmp_path: Path,
+) -> None:
+    # On a loaded machine the generations can all finish before the model server closes its
+    # admission: its prepare cuts none, and a commit then would only be written to be abandoned.
+    plan = DriverPlan(
+        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    control = _CutControl(tmp_path, cuts=[[], ["r1"]], cut_at_prepare=0)
+    driver.control = control  # type: ignore[assignment]
+    try:
+        driver.in_flight = {"r1": 0}
+        assert not await driver.checkpoint(0, need_cut=True)
+        assert control.scopes == [] and control.resumed == ["ckpt-0-0"] and driver.abandoned == 1
+        assert await driver.checkpoint(1)  # no cut needed: committed and published regardless
+        control.cut_at_prepare = 1  # a generation cut at prepare: committed, with its cut
+        assert await driver.checkpoint(2, need_cut=True)
+        assert control.scopes == [["r1"], ["r1"]] and control.published == ["ckpt-0-1", "ckpt-0-2"]
     finally:
         await driver.http.aclose()

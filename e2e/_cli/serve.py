@@ -12,6 +12,8 @@ from typing import Annotated
 
 import typer
 
+from protocols import is_object_store_url, open_store
+
 from .._launch.serving import run_server
 from .._servers.agent import create_agent_app
 from .._servers.cluster import DEFAULT_NAMES, DEFAULT_PORTS
@@ -38,10 +40,12 @@ class ServeOptions:
         typer.Option("--root", help="Run root; default: the cluster file's, else ./midflight-run."),
     ]
     CheckpointRoot = Annotated[
-        Path | None,
+        str | None,
         typer.Option(
             "--checkpoint-root",
-            help="Commit and restore only checkpoint directories under DIR; default: the run root.",
+            metavar="DIR|s3://BUCKET/PREFIX",
+            help="Commit and restore only checkpoints under DIR, or under an s3:// prefix "
+            "(endpoint and credentials from AWS_*); default: the run root.",
         ),
     ]
     TraceDir = Annotated[
@@ -63,6 +67,22 @@ class ServeOptions:
             "participant (1: one process). --workers is the same option.",
         ),
     ]
+
+
+def checkpoint_root_option(value: str | None) -> Path | str | None:
+    """``--checkpoint-root``: a directory, or an ``s3://`` URL in its canonical form (D330).
+
+    Raises:
+        typer.Exit: A malformed ``s3://`` URL, or S3 support is not installed (a usage error).
+    """
+    if value is None:
+        return None
+    if not is_object_store_url(value):
+        return Path(value)
+    try:
+        return open_store(value).url
+    except ValueError as exc:
+        usage_error(f"--checkpoint-root {value!r}: {exc}")
 
 
 def register(app: typer.Typer) -> None:
@@ -208,7 +228,7 @@ def _register_model(serve_app: typer.Typer) -> None:
             cluster=cluster,
             root=root,
             processes=processes,
-            checkpoint_root=checkpoint_root,
+            checkpoint_root=checkpoint_root_option(checkpoint_root),
             trace_dir=trace_dir,
         )
         app = create_model_app(
@@ -254,7 +274,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
             cluster=cluster,
             root=root,
             processes=processes,
-            checkpoint_root=checkpoint_root,
+            checkpoint_root=checkpoint_root_option(checkpoint_root),
             trace_dir=trace_dir,
         )
         app = create_resources_app(
@@ -296,7 +316,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
             cluster=cluster,
             root=root,
             processes=processes,
-            checkpoint_root=checkpoint_root,
+            checkpoint_root=checkpoint_root_option(checkpoint_root),
             trace_dir=trace_dir,
         )
         run_server(create_agent_app(options, restart_only=restart_only), options, role="agent")
@@ -344,7 +364,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
             cluster=cluster,
             root=root,
             processes=processes,
-            checkpoint_root=checkpoint_root,
+            checkpoint_root=checkpoint_root_option(checkpoint_root),
             trace_dir=trace_dir,
         )
         timeouts = PeerTimeouts(

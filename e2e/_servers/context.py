@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Final
 
 from participants import ControlSettings
-from protocols import DEFAULT_LEASE_GRACE_SECONDS
+from protocols import DEFAULT_LEASE_GRACE_SECONDS, is_object_store_url
 
 from .cluster import Cluster, Role, default_cluster, read_cluster
 
@@ -37,12 +37,17 @@ class ServeContext:
     processes: int = 1
     trace_dir: Path | None = None
     """``--processes``: how many shard processes serve behind the one port (1: no fan-out)."""
-    checkpoint_root: Path | None = None
+    checkpoint_root: Path | str | None = None
+    """``--checkpoint-root``: a directory, or an ``s3://bucket/prefix`` URL (D330)."""
 
     @property
-    def checkpoints_under(self) -> Path:
-        """The checkpoint root: ``checkpoint_root`` when given, else the run root (D240)."""
-        return (self.checkpoint_root or self.root).resolve()
+    def checkpoints_under(self) -> Path | str:
+        """The checkpoint root: ``checkpoint_root`` when given (a URL as is), else the run root
+        (D240)."""
+        root = self.checkpoint_root
+        if isinstance(root, str) and is_object_store_url(root):
+            return root
+        return Path(root or self.root).resolve()
 
     def peer_url(self, role: Role) -> str:
         """The URL of the peer of ``role`` (from the cluster file, else its default port)."""
@@ -56,10 +61,13 @@ def serve_options_from(
     cluster: Path | None,
     root: Path | None,
     processes: int = 1,
-    checkpoint_root: Path | None = None,
+    checkpoint_root: Path | str | None = None,
     trace_dir: Path | None = None,
 ) -> ServeContext:
-    """Resolve the shared options of ``serve <role>``."""
+    """Resolve the shared options of ``serve <role>``.
+
+    ``checkpoint_root`` is a directory (resolved here) or an ``s3://bucket/prefix`` URL (kept).
+    """
     parsed = read_cluster(cluster) if cluster is not None else None
     run_root = (root or (parsed.root if parsed else DEFAULT_ROOT)).resolve()
     control = os.environ.get(CONTROL_TOKEN_ENV) or None
@@ -72,9 +80,15 @@ def serve_options_from(
         control_token=control,
         capture_token=capture,
         processes=processes,
-        checkpoint_root=None if checkpoint_root is None else checkpoint_root.resolve(),
+        checkpoint_root=_checkpoint_root(checkpoint_root),
         trace_dir=trace_dir,
     )
+
+
+def _checkpoint_root(root: Path | str | None) -> Path | str | None:
+    if root is None or (isinstance(root, str) and is_object_store_url(root)):
+        return root
+    return Path(root).resolve()
 
 
 FAULT_ENV: Final = "MIDFLIGHT_FAULT"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -33,7 +32,7 @@ from protocols import (
 )
 
 from .._storage.checkpoint_root import participant_path
-from .._storage.checkpoint_store import RecordsWriter
+from .._storage.checkpoint_store import RecordsWriter, ShareLocation
 from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .jobs import Job
@@ -63,7 +62,7 @@ def record_episode(record: Any, index: int) -> EpisodeId:
 class _Commit:
     checkpoint_id: str
     args: tuple[str, tuple[str, ...] | None]
-    directory: Path  # this participant's own directory inside the checkpoint
+    share: ShareLocation  # this participant's own directory (or s3:// URL) in the checkpoint
     scope: list[EpisodeId] | None
     export_job: Job[list[Record]] | None = None
     writer: RecordsWriter | None = None
@@ -99,7 +98,7 @@ class CommitProcedure:
         )
         scope = request.episode_ids
         scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
-        args = (str(directory), scope_keys)
+        args = (str(directory), scope_keys)  # the canonical location: resolved, or the URL
         deadline = request.deadline_ts
         async with plane.lock:
             await plane.expire_lease_if_due()
@@ -174,7 +173,7 @@ class CommitProcedure:
         plane = self._plane
         participant = plane.participant
         writer = RecordsWriter(
-            commit.directory,
+            commit.share,
             kind=participant.kind,
             instance=participant.instance,
             checkpoint_id=commit.checkpoint_id,

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -29,7 +28,11 @@ from protocols import (
 )
 
 from .._storage.checkpoint_root import participant_path
-from .._storage.checkpoint_store import ParticipantCheckpoint, read_participant_checkpoint
+from .._storage.checkpoint_store import (
+    ParticipantCheckpoint,
+    ShareLocation,
+    read_participant_checkpoint,
+)
 from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .collector import collector_paused
@@ -61,10 +64,12 @@ def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
     return sorted(keys)
 
 
-def _read_paused(directory: Path, checkpoint_id: str, **options: Any) -> ParticipantCheckpoint:
+def _read_paused(
+    location: ShareLocation, checkpoint_id: str, **options: Any
+) -> ParticipantCheckpoint:
     # The parsed records all stay alive until the install: no garbage to collect (D266).
     with collector_paused(), checkpoint_span(READ_SPAN, id=checkpoint_id) as span:
-        share = read_participant_checkpoint(directory, **options)
+        share = read_participant_checkpoint(location, **options)
         set_checkpoint_attributes(span, records=len(share.records), bytes=share.bytes_read)
         return share
 
@@ -112,7 +117,7 @@ class RestoreProcedure:
         )
         scope = RestoreScope(request.episode_ids)  # one index, shared by every step below
         scope_keys = sorted_capture_keys(scope)
-        args = (str(directory), tuple(scope_keys))
+        args = (str(directory), tuple(scope_keys))  # the canonical location: resolved, or the URL
         deadline = request.deadline_ts
         async with plane.lock:
             await plane.expire_lease_if_due()

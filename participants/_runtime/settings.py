@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from protocols import DEFAULT_LEASE_GRACE_SECONDS, DEFAULT_MAX_DEADLINE_SECONDS
+from protocols import (
+    DEFAULT_LEASE_GRACE_SECONDS,
+    DEFAULT_MAX_DEADLINE_SECONDS,
+    is_object_store_url,
+    open_store,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +26,10 @@ class ControlSettings:
         fence_on_restore: Whether a restore fences its scope (attempt N). Only the
             drill's ``no-restore-fence`` fault turns it off, to show that the drill notices.
         checkpoint_root: Every ``checkpoint_dir`` of a commit or restore must lie under this
-            directory once ``..`` and symlinks are resolved (else ``invalid_request``, nothing
-            changed); ``None`` accepts any absolute directory (a library user's own choice).
-            Every reference server sets it (D240).
+            directory once ``..`` and symlinks are resolved, or under this ``s3://bucket/prefix``
+            (else ``invalid_request``, nothing changed); ``None`` accepts any absolute directory
+            and no URL (a library user's own choice). Every reference server sets it (D240,
+            D330). A URL is kept in its canonical form; a string without ``s3://`` is a path.
         pause_collector: Whether Python's cyclic garbage collector is paused while this plane is
             outside ``IDLE`` (D249): a full collection over a large heap would otherwise land
             inside the checkpoint's pause.
@@ -34,7 +40,7 @@ class ControlSettings:
     resume_retry_seconds: float = 30.0
     readiness_poll_seconds: float = 1.0
     fence_on_restore: bool = True
-    checkpoint_root: Path | None = None
+    checkpoint_root: Path | str | None = None
     pause_collector: bool = True
 
     def __post_init__(self) -> None:
@@ -46,3 +52,8 @@ class ControlSettings:
         ):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0")
+        root = self.checkpoint_root
+        if isinstance(root, str):
+            # A malformed URL, or S3 without the s3 extra, fails here, when the server starts.
+            canonical = open_store(root).url if is_object_store_url(root) else Path(root)
+            object.__setattr__(self, "checkpoint_root", canonical)

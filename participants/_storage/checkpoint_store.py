@@ -1,9 +1,11 @@
-"""Writing and reading one participant's share of a checkpoint.
+"""Writing and reading one participant's share of a checkpoint, on a directory or on S3.
 
 Layout: ``<checkpoint>/gym/<kind>/<instance>/records-<sha256>.jsonl`` and ``manifest.json``. The
-manifest is published last, exactly once, through a hard link (which never replaces an existing
-name), so a directory with a manifest never changes and a directory without one is a partial
-commit that readers ignore.
+share's location is a directory path or the same as an ``s3://`` URL; every read and write goes
+through the checkpoint store it names (``open_store``). The manifest is published last, exactly
+once, by the store's ``create`` (a hard link on a directory, a put with ``If-None-Match: *`` on
+S3: neither replaces an existing manifest), so a share with a manifest never changes and one
+without is a partial commit that readers ignore.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 from pydantic import ValidationError
 
@@ -24,18 +26,21 @@ from protocols import (
     MANIFEST_FILE,
     MANIFEST_SPAN,
     WRITE_SPAN,
+    CheckpointStore,
     InvalidCheckpointStateError,
+    ObjectMissingError,
     ParticipantKind,
     ParticipantManifest,
     build_manifest,
     decode_record_line,
     encode_record_line,
+    is_object_store_url,
     is_records_file_name,
+    open_store,
     serialize_manifest,
 )
 
 from .._tracing import checkpoint_span, set_checkpoint_attributes
-from .durable import fsync_directory, make_directory_durable
 
 WRITE_STEPS: Final = (
     "records_temp_created",
@@ -46,9 +51,27 @@ WRITE_STEPS: Final = (
     "manifest_linked",
     "published",
 )
-"""Named points of a write, in order; a test hook can stop at each to prove crash safety."""
+"""Named points of a write, in order; a test hook can stop at each to prove crash safety.
 
-_READ_CHUNK: Final = 1 << 20
+The same on both stores: ``records_renamed`` once the records have their name (renamed, or the
+object put), ``manifest_temp_synced`` just before the manifest is created, ``manifest_linked``
+once it is (linked, or put)."""
+
+ShareLocation: TypeAlias = Path | str
+"""A participant's share: a directory, or the same as an ``s3://bucket/…`` URL."""
+
+
+def open_share(location: ShareLocation) -> CheckpointStore:
+    """The checkpoint store rooted at one share; keys are the file names in it.
+
+    Raises:
+        InvalidCheckpointStateError: The location is a malformed ``s3://`` URL, or S3 support
+            (the ``s3`` extra) is not installed.
+    """
+    try:
+        return open_store(location)
+    except ValueError as exc:
+        raise InvalidCheckpointStateError(f"cannot open the share {location}: {exc}") from exc
 
 
 class RecordsWriter:
@@ -59,7 +82,8 @@ class RecordsWriter:
     way.
 
     Args:
-        directory: The participant directory, ``<checkpoint>/gym/<kind>/<instance>``.
+        location: The participant's share, ``<checkpoint>/gym/<kind>/<instance>``: a directory,
+            or the same as an ``s3://`` URL.
         kind: The participant kind written into the manifest.
         instance: The participant instance written into the manifest.
         checkpoint_id: The checkpoint this share belongs to.
@@ -68,14 +92,14 @@ class RecordsWriter:
 
     def __init__(
         self,
-        directory: Path,
+        location: ShareLocation,
         *,
         kind: ParticipantKind,
         instance: str,
         checkpoint_id: str,
         on_step: Callable[[str], None] | None = None,
     ) -> None:
-        self.directory = Path(directory)
+        self.location: ShareLocation = location if is_object_store_url(location) else Path(location)
         self.kind: ParticipantKind = kind
         self.instance = instance
         self.checkpoint_id = checkpoint_id
@@ -98,36 +122,43 @@ class RecordsWriter:
     def write(
         self, records: Iterable[Mapping[str, Any]], *, extra: Mapping[str, Any] | None = None
     ) -> dict[str, Any]:
-        """Stream the records to disk and publish the manifest.
+        """Stream the records into the store and publish the manifest.
 
         Returns:
-            The published manifest. If the directory already holds an identical manifest (a
-            repeat of the same commit), that manifest.
+            The published manifest. If the share already holds an identical manifest (a repeat
+            of the same commit), that manifest.
 
         Raises:
             InvalidCheckpointStateError: The writer was stopped, a record cannot be stored, the
-                directory already holds a different commit, or I/O failed. Nothing is published.
+                share already holds a different commit, or I/O (the disk, the network) failed.
+                Nothing is published.
         """
         try:
-            return self._write(records, extra)
+            return self._write(open_share(self.location), records, extra)
         except InvalidCheckpointStateError:
             raise
-        except OSError as exc:
+        except OSError as exc:  # a StoreError too: a failed request, credentials, a timeout
             raise InvalidCheckpointStateError(
-                f"I/O error writing {self.directory}: {exc.strerror or exc}"
+                f"I/O error writing {self.location}: {exc.strerror or exc}"
             ) from exc
 
     def _write(
-        self, records: Iterable[Mapping[str, Any]], extra: Mapping[str, Any] | None
+        self,
+        store: CheckpointStore,
+        records: Iterable[Mapping[str, Any]],
+        extra: Mapping[str, Any] | None,
     ) -> dict[str, Any]:
         self._raise_if_stopped()
-        make_directory_durable(self.directory)
-        fd, temp_name = tempfile.mkstemp(prefix=".records.jsonl.", dir=self.directory)
+        # A directory spools in the share itself (the rename stays on one file system); S3 in a
+        # local temporary directory, uploaded from there.
+        fd, temp_name = tempfile.mkstemp(prefix=".records.jsonl.", dir=store.spool_directory(""))
         temp = Path(temp_name)
         try:
             self._step("records_temp_created")
             with checkpoint_span(WRITE_SPAN, id=self.checkpoint_id) as span:
-                digest, count, size = self._stream(fd, records)
+                digest, count, size = self._stream(
+                    fd, records, sync=not is_object_store_url(self.location)
+                )
                 set_checkpoint_attributes(span, records=count, bytes=size)
             self.bytes_written = size
             self._step("records_synced")
@@ -143,23 +174,29 @@ class RecordsWriter:
                 manifest_bytes = serialize_manifest(manifest)
             except (TypeError, ValueError) as exc:
                 raise InvalidCheckpointStateError(f"cannot build the manifest: {exc}") from exc
+            records_key = manifest["records_file"]
             with self._stop_lock:
                 self._raise_if_stopped()
-                records_path = self.directory / manifest["records_file"]
-                # Same name means same bytes, so replacing an earlier identical file is harmless.
-                os.replace(temp, records_path)
-                fsync_directory(self.directory)  # the records name is durable before a manifest
+                # Same name means same bytes, so an earlier identical records object is harmless;
+                # the name is durable before any manifest points at it.
+                store.publish_file(records_key, temp)
                 self._step("records_renamed")
                 with checkpoint_span(MANIFEST_SPAN, id=self.checkpoint_id):
-                    created = self._publish_manifest(manifest_bytes)
+                    self._step("manifest_temp_synced")
+                    # Never replaces an existing manifest: of two racing writers one wins.
+                    created = store.create(MANIFEST_FILE, manifest_bytes)
+                    if created:
+                        self._step("manifest_linked")
             if created:
                 self._step("published")
                 return manifest
-            return self._resolve_existing(manifest, records_path)
+            return self._resolve_existing(store, manifest, records_key)
         finally:
             temp.unlink(missing_ok=True)
 
-    def _stream(self, fd: int, records: Iterable[Mapping[str, Any]]) -> tuple[str, int, int]:
+    def _stream(
+        self, fd: int, records: Iterable[Mapping[str, Any]], *, sync: bool
+    ) -> tuple[str, int, int]:
         hasher = hashlib.sha256()
         count = 0
         size = 0
@@ -178,38 +215,20 @@ class RecordsWriter:
                 size += len(line)
             self._step("records_streamed")
             handle.flush()
-            os.fsync(handle.fileno())  # the records must be on disk before any name points at them
+            if sync:  # on S3 the put makes the records durable; a local spool needs no fsync
+                os.fsync(handle.fileno())  # the records are on disk before any name points at them
         return hasher.hexdigest(), count, size
 
-    def _publish_manifest(self, manifest_bytes: bytes) -> bool:
-        fd, temp_name = tempfile.mkstemp(prefix=".manifest.json.", dir=self.directory)
-        temp = Path(temp_name)
-        try:
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(manifest_bytes)
-                handle.flush()
-                os.fsync(handle.fileno())  # the manifest's bytes are durable before its name
-            self._step("manifest_temp_synced")
-            try:
-                # A hard link never replaces an existing name: of two racing writers one wins.
-                os.link(temp, self.directory / MANIFEST_FILE)
-            except FileExistsError:
-                return False
-            self._step("manifest_linked")
-            fsync_directory(self.directory)  # publication itself survives a power loss
-            return True
-        finally:
-            temp.unlink(missing_ok=True)
-
-    def _resolve_existing(self, manifest: dict[str, Any], records_path: Path) -> dict[str, Any]:
-        existing = _load_manifest_object(self.directory / MANIFEST_FILE)
+    def _resolve_existing(
+        self, store: CheckpointStore, manifest: dict[str, Any], records_key: str
+    ) -> dict[str, Any]:
+        existing = _load_manifest_object(store)
         if existing == manifest:
             return existing
-        if existing.get("records_file") != records_path.name:
-            records_path.unlink(missing_ok=True)
-            fsync_directory(self.directory)
+        if existing.get("records_file") != records_key:
+            store.delete([records_key])  # the loser's own records; a directory is synced after
         raise InvalidCheckpointStateError(
-            f"{self.directory} already holds a different commit "
+            f"{self.location} already holds a different commit "
             f"(checkpoint {existing.get('checkpoint_id')!r})"
         )
 
@@ -240,7 +259,7 @@ class ParticipantCheckpoint:
 
 
 def read_participant_checkpoint(
-    directory: Path,
+    location: ShareLocation,
     *,
     kind: ParticipantKind,
     instance: str,
@@ -248,75 +267,76 @@ def read_participant_checkpoint(
 ) -> ParticipantCheckpoint:
     """Read and verify one participant's share in a single streaming pass.
 
-    Every line is hashed, counted and parsed; ``select`` decides which records are kept, while
-    the digest and count still cover the whole file. Blocking: run it in a worker thread.
+    ``location`` is the share (``<checkpoint>/gym/<kind>/<instance>``): a directory, or the same
+    as an ``s3://`` URL. Every line is hashed, counted and parsed; ``select`` decides which
+    records are kept, while the digest and count still cover the whole file. Blocking: run it in
+    a worker thread.
 
     Raises:
         InvalidCheckpointStateError: The manifest is missing (a partial commit), malformed, of
-            another kind or instance, names an unsafe file, or the records do not match it.
+            another kind or instance, names an unsafe file, the records do not match it, or I/O
+            failed.
     """
-    directory = Path(directory)
-    manifest = _load_manifest_object(directory / MANIFEST_FILE)
-    checked = _check_manifest(manifest, directory, kind=kind, instance=instance)
-    records_path = directory / checked.records_file
+    store = open_share(location)
+    manifest = _load_manifest_object(store)
+    checked = _check_manifest(manifest, store.describe(MANIFEST_FILE), kind=kind, instance=instance)
+    where = store.describe(checked.records_file)
     hasher = hashlib.sha256()
     count = 0
     size = 0
     kept: list[dict[str, Any]] = []
     try:
-        with open(records_path, "rb", buffering=_READ_CHUNK) as handle:
-            for line in handle:
-                hasher.update(line)
-                size += len(line)
-                count += 1
-                try:
-                    record = decode_record_line(line)
-                except ValueError as exc:
-                    raise InvalidCheckpointStateError(
-                        f"{records_path}: line {count} is not a JSON object: {exc}"
-                    ) from exc
-                if select is None or select(record):
-                    kept.append(record)
-    except FileNotFoundError as exc:
+        for line in store.lines(checked.records_file):
+            hasher.update(line)
+            size += len(line)
+            count += 1
+            try:
+                record = decode_record_line(line)
+            except ValueError as exc:
+                raise InvalidCheckpointStateError(
+                    f"{where}: line {count} is not a JSON object: {exc}"
+                ) from exc
+            if select is None or select(record):
+                kept.append(record)
+    except FileNotFoundError as exc:  # ObjectMissingError too
         raise InvalidCheckpointStateError(
-            f"{records_path} is missing but {directory / MANIFEST_FILE} names it"
+            f"{where} is missing but {store.describe(MANIFEST_FILE)} names it"
         ) from exc
     except OSError as exc:
-        raise InvalidCheckpointStateError(f"I/O error reading {records_path}: {exc}") from exc
+        raise InvalidCheckpointStateError(f"I/O error reading {where}: {exc}") from exc
     if count != checked.record_count:
         raise InvalidCheckpointStateError(
-            f"{records_path} holds {count} records, the manifest says {checked.record_count}"
+            f"{where} holds {count} records, the manifest says {checked.record_count}"
         )
     if hasher.hexdigest() != checked.records_sha256:
         raise InvalidCheckpointStateError(
-            f"{records_path} has digest {hasher.hexdigest()}, "
-            f"the manifest says {checked.records_sha256}"
+            f"{where} has digest {hasher.hexdigest()}, the manifest says {checked.records_sha256}"
         )
     return ParticipantCheckpoint(manifest=manifest, records=kept, bytes_read=size)
 
 
-def _load_manifest_object(path: Path) -> dict[str, Any]:
+def _load_manifest_object(store: CheckpointStore) -> dict[str, Any]:
+    where = store.describe(MANIFEST_FILE)
     try:
-        raw = path.read_bytes()
-    except FileNotFoundError as exc:
+        raw = store.read(MANIFEST_FILE)
+    except (ObjectMissingError, FileNotFoundError) as exc:
         raise InvalidCheckpointStateError(
-            f"{path} does not exist: the commit is partial or was never made"
+            f"{where} does not exist: the commit is partial or was never made"
         ) from exc
     except OSError as exc:
-        raise InvalidCheckpointStateError(f"I/O error reading {path}: {exc}") from exc
+        raise InvalidCheckpointStateError(f"I/O error reading {where}: {exc}") from exc
     try:
         value = json.loads(raw)
     except ValueError as exc:
-        raise InvalidCheckpointStateError(f"{path} is not valid JSON: {exc}") from exc
+        raise InvalidCheckpointStateError(f"{where} is not valid JSON: {exc}") from exc
     if not isinstance(value, dict):
-        raise InvalidCheckpointStateError(f"{path} is not a JSON object")
+        raise InvalidCheckpointStateError(f"{where} is not a JSON object")
     return value
 
 
 def _check_manifest(
-    manifest: dict[str, Any], directory: Path, *, kind: str, instance: str
+    manifest: dict[str, Any], where: str, *, kind: str, instance: str
 ) -> ParticipantManifest:
-    where = directory / MANIFEST_FILE
     records_file = manifest.get("records_file")
     if isinstance(records_file, str) and not is_records_file_name(records_file):
         raise InvalidCheckpointStateError(f"{where} names an unsafe records file {records_file!r}")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import participants._staging.store as store_module
-import participants._storage.durable as durable_module
+import protocols._store.durable as durable_module
 from participants import FileTokenStagingStore, put_entries
 from protocols import StagedEntry
 from tests.staging_factories import golden_record

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import overload
+from typing import Final, overload
 
 from protocols import (
     CheckpointStore,
@@ -33,7 +33,13 @@ from ._layout import (
 )
 from ._publish import CheckpointManifest
 
-_PIN: bytes = b"pinned\n"
+_PIN: Final = b"pinned\n"
+OBJECT_TIME_SLACK: Final = 2.0
+"""Seconds a partial commit on an object store must predate the newest publication to be old.
+
+S3 gives ``LastModified`` to the second and by its own clock, not the controller's: without the
+slack a share written just after a publication, in the same second, would look older than it.
+"""
 
 
 @overload
@@ -171,9 +177,10 @@ def collect_garbage(root: str | Path, keep: int, *, dry_run: bool = False) -> Gc
 
     A partial commit is a checkpoint without ``checkpoint.json``; it is removed only when nothing
     in it is newer than the newest published checkpoint (an older one can never be published any
-    more; a newer one may be a commit under way). Whatever ``LATEST`` names and every checkpoint
-    holding ``PINNED`` are kept whatever their age; both are read again right before each
-    removal, so a pin or a publication made while gc runs is honoured (D334).
+    more; a newer one may be a commit under way; on an object store "older" means by more than
+    ``OBJECT_TIME_SLACK``). Whatever ``LATEST`` names and every checkpoint holding ``PINNED``
+    are kept whatever their age; both are read again right before each removal, so a pin or a
+    publication made while gc runs is honoured (D334).
 
     Args:
         root: The run root: a directory, or ``s3://bucket/prefix``.
@@ -195,7 +202,9 @@ def collect_garbage(root: str | Path, keep: int, *, dry_run: bool = False) -> Gc
         key=lambda f: (f.published_at, f.checkpoint_id),
         reverse=True,
     )
-    newest = published[0].published_at if published else None
+    cutoff = published[0].published_at if published else None  # older partials are dead
+    if cutoff is not None and is_object_store_url(store.url):
+        cutoff -= OBJECT_TIME_SLACK
     kept: list[str] = []
     protected: list[str] = []
     doomed: list[_Listed] = []
@@ -212,7 +221,7 @@ def collect_garbage(root: str | Path, keep: int, *, dry_run: bool = False) -> Gc
         name = listed.checkpoint_id
         if name == latest or store.exists(checkpoint_key(name, PINNED_FILE)):
             protected.append(name)
-        elif newest is not None and listed.newest < newest:
+        elif cutoff is not None and listed.newest < cutoff:
             doomed.append(listed)
     removed: list[str] = []
     reclaimed = 0

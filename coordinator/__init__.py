@@ -5,7 +5,8 @@
 - :func:`discover` and :class:`Coordinator`: the fixed-order operations (prepare, commit, resume,
   restore all-or-nothing, retire, forget, renew) and :class:`PrepareResult`;
 - :func:`publish_checkpoint` / :func:`read_latest`: the aggregate manifest and the ``LATEST``
-  pointer;
+  pointer, on a directory or an ``s3://`` run root (:func:`checkpoint_location`); two publishers
+  that collide get a :class:`PublicationConflictError`;
 - :func:`checkpoint` and :class:`CheckpointOutcome`: prepare, commit, publish and resume in one
   call, blockers handed back when a participant stays blocked;
 - :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
@@ -19,27 +20,28 @@ from ._checkpoint import CheckpointOutcome, checkpoint
 from ._client import ControlClient, NotAParticipantError
 from ._discovery import discover
 from ._fixed_order import Coordinator, PrepareResult
-from ._ledger_client import LedgerClient
-from ._members import CoordinationError, Member
-from ._publish import (
+from ._layout import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
     LATEST_FILE,
+    CheckpointTakenError,
+    LatestMovedError,
+    PublicationConflictError,
+    checkpoint_directory,
+    checkpoint_location,
+)
+from ._ledger_client import LedgerClient
+from ._members import CoordinationError, Member
+from ._publish import (
     CheckpointManifest,
     PublishedParticipant,
-    checkpoint_directory,
     publish_checkpoint,
     read_checkpoint,
     read_latest,
 )
-from ._retention import (
-    GcReport,
-    collect_garbage,
-    pin_checkpoint,
-    unpin_checkpoint,
-    verify_checkpoint,
-)
+from ._retention import GcReport, collect_garbage, pin_checkpoint, unpin_checkpoint
 from ._tracing import CheckpointTrace, checkpoint_trace
+from ._verify import verify_checkpoint
 
 __all__ = [
     "CHECKPOINTS_SUBDIR",
@@ -47,18 +49,22 @@ __all__ = [
     "LATEST_FILE",
     "CheckpointManifest",
     "CheckpointOutcome",
+    "CheckpointTakenError",
     "CheckpointTrace",
     "ControlClient",
     "CoordinationError",
     "Coordinator",
     "GcReport",
+    "LatestMovedError",
     "LedgerClient",
     "Member",
     "NotAParticipantError",
     "PrepareResult",
+    "PublicationConflictError",
     "PublishedParticipant",
     "checkpoint",
     "checkpoint_directory",
+    "checkpoint_location",
     "checkpoint_trace",
     "collect_garbage",
     "discover",

@@ -8,7 +8,6 @@ back for the caller to retire and re-dispatch. When anything fails on the way, e
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,17 +23,13 @@ from protocols import (
     CommitReply,
     EpisodeId,
     ParticipantKind,
+    open_store,
 )
 
 from ._fixed_order import Coordinator, PrepareResult
+from ._layout import CHECKPOINT_FILE, checkpoint_key, checkpoint_location, latest_id
 from ._members import CoordinationError
-from ._publish import (
-    CHECKPOINT_FILE,
-    LATEST_FILE,
-    CheckpointManifest,
-    checkpoint_directory,
-    publish_checkpoint,
-)
+from ._publish import CheckpointManifest, publish_checkpoint
 from ._tracing import checkpoint_trace
 
 _SCOPE_KINDS: Final[tuple[ParticipantKind, ...]] = ("environment",)
@@ -91,34 +86,26 @@ async def _commit_what_the_environment_exports(
     return {**first, **rest}, scope
 
 
-def _remove_unpublished(root: Path, checkpoint_id: str) -> bool:
+def _remove_unpublished(root: str | Path, checkpoint_id: str) -> None:
     """Remove what a failed commit of ``checkpoint_id`` wrote, unless it was published.
 
-    A directory without ``checkpoint.json`` is ignored by every reader of checkpoints, but it
+    A checkpoint without ``checkpoint.json`` is ignored by every reader of checkpoints, but it
     still looks like one to a person or a tool listing ``checkpoints/``; the coordinator that
     saw the commit fail knows it will never be published, so it removes it (a participant still
     writing after its reply was lost may leave a share behind; gc removes it later). Never
-    touches a directory with ``checkpoint.json`` or the one ``LATEST`` names.
-
-    Returns:
-        Whether a directory was removed.
+    touches a checkpoint with ``checkpoint.json`` or the one ``LATEST`` names.
     """
-    directory = checkpoint_directory(root, checkpoint_id)
-    if not directory.is_dir() or (directory / CHECKPOINT_FILE).exists():
-        return False
-    try:
-        latest = (directory.parent / LATEST_FILE).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        latest = ""
-    if latest == checkpoint_id:
-        return False
-    shutil.rmtree(directory)
-    return True
+    store = open_store(root)
+    if store.exists(checkpoint_key(checkpoint_id, CHECKPOINT_FILE)):
+        return
+    if latest_id(store) == checkpoint_id:
+        return
+    store.delete_tree(checkpoint_key(checkpoint_id))
 
 
 async def checkpoint(
     coordinator: Coordinator,
-    root: Path,
+    root: str | Path,
     checkpoint_id: str,
     *,
     deadline_seconds: float,
@@ -130,7 +117,8 @@ async def checkpoint(
 
     Args:
         coordinator: The participants.
-        root: The run root (the checkpoint goes to ``<root>/checkpoints/<id>``).
+        root: The run root, a directory or ``s3://bucket/prefix`` (the checkpoint goes to
+            ``<root>/checkpoints/<id>``, :func:`checkpoint_location`).
         checkpoint_id: The checkpoint's id; retries reuse it.
         deadline_seconds: How long prepare, commit and publication may take in all.
         episodes: The episodes to continue, or ``None`` for everything the environments export
@@ -145,6 +133,9 @@ async def checkpoint(
     Raises:
         CoordinationError: A participant failed (everyone was resumed before raising).
         InvalidCheckpointStateError: Publication found a missing or changed manifest.
+        PublicationConflictError: Another publication got to the store first
+            (:class:`LatestMovedError`: this checkpoint stays published, ``LATEST`` is the
+            other's; :class:`CheckpointTakenError`: the id holds another publication).
     """
     with checkpoint_trace(checkpoint_id, participants=len(coordinator.members)) as traced:
         outcome = await _checkpoint(
@@ -167,7 +158,7 @@ async def checkpoint(
 
 async def _checkpoint(
     coordinator: Coordinator,
-    root: Path,
+    root: str | Path,
     checkpoint_id: str,
     *,
     deadline_seconds: float,
@@ -177,7 +168,7 @@ async def _checkpoint(
     traceparent: str | None,
 ) -> CheckpointOutcome:
     deadline = time.time() + deadline_seconds
-    directory = checkpoint_directory(root, checkpoint_id)
+    directory = checkpoint_location(root, checkpoint_id)
     try:
         result = await coordinator.prepare(checkpoint_id, deadline)
         if not result.prepared:
@@ -185,11 +176,11 @@ async def _checkpoint(
             return CheckpointOutcome(checkpoint_id, result, None)
         if episodes is None:
             commits, scope = await _commit_what_the_environment_exports(
-                coordinator, checkpoint_id, deadline, str(directory), result
+                coordinator, checkpoint_id, deadline, directory, result
             )
         else:
             scope = result.continued(episodes)
-            commits = await coordinator.commit(checkpoint_id, deadline, str(directory), scope)
+            commits = await coordinator.commit(checkpoint_id, deadline, directory, scope)
         manifest = await publish_checkpoint(
             root,
             checkpoint_id,

@@ -13,7 +13,6 @@ import functools
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import anyio
@@ -41,7 +40,6 @@ from protocols import (
 )
 
 from ._members import CoordinationError, Member, each, raise_if
-from ._publish import CHECKPOINT_FILE
 from ._tracing import coordinator_span, link_to_checkpoint, stored_traceparent
 
 T = TypeVar("T")
@@ -273,13 +271,11 @@ class Coordinator:
             COLLECTION_RESTORE_SPAN,
             new_trace=True,
             id=checkpoint_id,
-            source=Path(checkpoint_dir).name,  # the checkpoint it restores
+            source=checkpoint_dir.rstrip("/").rsplit("/", 1)[-1],  # the checkpoint it restores
             episodes=len(episode_ids),
         ) as span:
             if span.is_recording():
-                stored = await anyio.to_thread.run_sync(
-                    stored_traceparent, Path(checkpoint_dir) / CHECKPOINT_FILE
-                )
+                stored = await anyio.to_thread.run_sync(stored_traceparent, checkpoint_dir)
                 link_to_checkpoint(span, stored)
             return await self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
 

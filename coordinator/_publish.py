@@ -1,14 +1,17 @@
 """Publication: the controller's aggregate manifest, written last, then the ``LATEST`` pointer.
 
-Layout under a run root::
+Layout under a run root, a directory or ``s3://bucket/prefix`` (see ``_layout``)::
 
     <root>/checkpoints/<id>/gym/<kind>/<instance>/...   each participant's commit
     <root>/checkpoints/<id>/checkpoint.json             this aggregate manifest, written last
     <root>/checkpoints/LATEST                           the id of the newest published checkpoint
 
 A checkpoint exists once its ``checkpoint.json`` does; ``LATEST`` only ever names such a
-checkpoint, because it is replaced after ``checkpoint.json`` is durable. Every write is temp file,
-fsync, rename, directory fsync.
+checkpoint, because it is replaced after ``checkpoint.json`` is durable. Every write goes through
+the run root's ``CheckpointStore``: ``checkpoint.json`` is created once (a hard link, or a put with
+``If-None-Match: *``) and ``LATEST`` is replaced only if it is still the version read before
+``checkpoint.json`` was written (``flock`` and rename, or ``If-Match``), so of two publishers
+racing on one root exactly one moves it (D332).
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -28,20 +30,27 @@ from pydantic import BaseModel, ConfigDict, JsonValue
 from protocols import (
     MANIFEST_FILE,
     PUBLISH_SPAN,
+    CheckpointStore,
     CommitReply,
     EpisodeId,
     InvalidCheckpointStateError,
     ParticipantKind,
+    open_store,
     participant_directory,
     validate_checkpoint_id,
 )
 
+from ._layout import (
+    CHECKPOINT_FILE,
+    LATEST_KEY,
+    CheckpointTakenError,
+    LatestMovedError,
+    checkpoint_key,
+    latest_id,
+)
 from ._members import Member
 from ._tracing import coordinator_span
 
-CHECKPOINTS_SUBDIR: Final = "checkpoints"
-CHECKPOINT_FILE: Final = "checkpoint.json"
-LATEST_FILE: Final = "LATEST"
 PUBLISH_FAULTS: Final = frozenset({"latest-before-manifest"})
 """Test-only faults of publication; ``latest-before-manifest`` moves ``LATEST`` first (wrong)."""
 
@@ -91,43 +100,118 @@ class CheckpointManifest(BaseModel):
     traceparent: str | None = None
 
 
-def checkpoint_directory(root: Path, checkpoint_id: str) -> Path:
-    """``<root>/checkpoints/<id>``: the ``checkpoint_dir`` to commit into.
-
-    Raises:
-        ValueError: The id is not a safe path component.
-    """
-    return Path(root) / CHECKPOINTS_SUBDIR / validate_checkpoint_id(checkpoint_id)
-
-
 def _no_boundary(_boundary: str) -> None:
     return None
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _verified_shares(
+    store: CheckpointStore,
+    checkpoint_id: str,
+    members: Sequence[Member],
+    commits: Mapping[str, CommitReply],
+) -> tuple[list[PublishedParticipant], dict[str, list[str]]]:
+    """Every member's share, its manifest read back from the store and checked against its reply."""
+    published: list[PublishedParticipant] = []
+    staging: dict[str, list[str]] = {}
+    for member in members:
+        reply = commits.get(member.instance)
+        if reply is None:
+            raise InvalidCheckpointStateError(f"{member.instance} has no commit reply")
+        relative = participant_directory(Path("."), member.kind, member.instance) / MANIFEST_FILE
+        try:
+            data = store.read(checkpoint_key(checkpoint_id, relative.as_posix()))
+        except OSError as exc:
+            raise InvalidCheckpointStateError(f"{member.instance}: {exc}") from exc
+        if json.loads(data) != reply.manifest.model_dump(mode="json"):
+            raise InvalidCheckpointStateError(
+                f"{member.instance}: the manifest in the store is not the one its commit announced"
+            )
+        published.append(
+            PublishedParticipant(
+                kind=member.kind,
+                instance=member.instance,
+                url=member.url,
+                manifest=relative.as_posix(),
+                manifest_sha256=hashlib.sha256(data).hexdigest(),
+            )
+        )
+        extras = reply.model_extra or {}
+        for key, keys in (extras.get("staging_keys_by_episode") or {}).items():
+            staging[key] = sorted(set(staging.get(key, [])) | set(keys))
+    return published, staging
 
 
-def _replace_durably(path: Path, data: bytes) -> None:
-    temp = path.with_name(f".{path.name}.{os.getpid()}.{os.urandom(4).hex()}.tmp")
+def _encoded(manifest: CheckpointManifest) -> bytes:
+    fields = manifest.model_dump(mode="json")
+    if fields["traceparent"] is None:
+        del fields["traceparent"]  # an untraced checkpoint's file is what it always was
+    return json.dumps(fields, sort_keys=True, indent=1).encode()
+
+
+def _same_publication(a: CheckpointManifest, b: CheckpointManifest) -> bool:
+    """Whether two manifests publish the same commit: same shares (by digest) and same scope."""
+
+    def shares(m: CheckpointManifest) -> set[tuple[str, str, str, str]]:
+        return {(p.kind, p.instance, p.manifest, p.manifest_sha256) for p in m.participants}
+
+    return (
+        a.checkpoint_id == b.checkpoint_id
+        and shares(a) == shares(b)
+        and sorted(e.capture_key for e in a.continued) == sorted(e.capture_key for e in b.continued)
+    )
+
+
+def _create_checkpoint_json(
+    store: CheckpointStore, manifest: CheckpointManifest
+) -> CheckpointManifest:
+    """Create ``checkpoint.json`` once; a retry of the same publication finds its own and keeps it.
+
+    Raises:
+        CheckpointTakenError: The id already holds another publication.
+    """
+    key = checkpoint_key(manifest.checkpoint_id, CHECKPOINT_FILE)
+    if store.create(key, _encoded(manifest)):
+        return manifest
+    data = store.read(key)
     try:
-        with open(temp, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())  # the bytes reach the disk before any name points at them
-        os.replace(temp, path)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)  # the rename itself survives a power loss only after this
+        existing = CheckpointManifest.model_validate_json(data)
+    except ValueError:
+        existing = None
+    if existing is not None and _same_publication(existing, manifest):
+        return existing  # an earlier try of this publication got this far: it stands as written
+    raise CheckpointTakenError(
+        f"{store.describe(key)} already holds another publication of checkpoint "
+        f"{manifest.checkpoint_id!r} (other shares or scope); nothing was written: publish "
+        "under a fresh checkpoint id",
+        checkpoint_id=manifest.checkpoint_id,
+        location=store.describe(key),
+    )
+
+
+def _move_latest(store: CheckpointStore, checkpoint_id: str, version: str | None) -> None:
+    """Point ``LATEST`` at the checkpoint, only if nobody moved it since ``version`` was read.
+
+    Raises:
+        LatestMovedError: Another publisher moved it first.
+    """
+    if store.replace_if(LATEST_KEY, checkpoint_id.encode(), version):
+        return
+    now = latest_id(store)
+    if now == checkpoint_id:
+        return  # a twin try of this very publication moved it: the same end state
+    location = store.describe(checkpoint_key(checkpoint_id, CHECKPOINT_FILE))
+    raise LatestMovedError(
+        f"checkpoint {checkpoint_id!r} is published ({location}) but LATEST was not moved to it: "
+        f"another publisher moved {store.describe(LATEST_KEY)} after this one read it (it names "
+        f"{now!r} now); one controller per run root publishes",
+        checkpoint_id=checkpoint_id,
+        location=location,
+        latest=now,
+    )
 
 
 def publish_checkpoint_sync(
-    root: Path,
+    root: str | Path,
     checkpoint_id: str,
     members: Sequence[Member],
     commits: Mapping[str, CommitReply],
@@ -142,40 +226,17 @@ def publish_checkpoint_sync(
 
     Raises:
         InvalidCheckpointStateError: A member has no commit reply, its manifest is missing, or
-            the manifest on disk is not the one its commit reply announced.
-        ValueError: An unknown fault.
+            the manifest in the store is not the one its commit reply announced.
+        CheckpointTakenError: The id's ``checkpoint.json`` holds another publication.
+        LatestMovedError: Another publisher moved ``LATEST`` first (this one stays published).
+        ValueError: An unknown fault, an unsafe id or a malformed ``s3://`` root.
+        OSError: The store failed (``protocols.StoreError``).
     """
     if fault is not None and fault not in PUBLISH_FAULTS:
         raise ValueError(f"unknown publication fault {fault!r}; known: {sorted(PUBLISH_FAULTS)}")
-    directory = checkpoint_directory(root, checkpoint_id)
-    published: list[PublishedParticipant] = []
-    staging: dict[str, list[str]] = {}
-    for member in members:
-        reply = commits.get(member.instance)
-        if reply is None:
-            raise InvalidCheckpointStateError(f"{member.instance} has no commit reply")
-        relative = participant_directory(Path("."), member.kind, member.instance) / MANIFEST_FILE
-        try:
-            data = (directory / relative).read_bytes()
-        except OSError as exc:
-            raise InvalidCheckpointStateError(f"{member.instance}: {exc}") from exc
-        on_disk = json.loads(data)
-        if on_disk != reply.manifest.model_dump(mode="json"):
-            raise InvalidCheckpointStateError(
-                f"{member.instance}: the manifest on disk is not the one its commit announced"
-            )
-        published.append(
-            PublishedParticipant(
-                kind=member.kind,
-                instance=member.instance,
-                url=member.url,
-                manifest=str(relative),
-                manifest_sha256=hashlib.sha256(data).hexdigest(),
-            )
-        )
-        extras = reply.model_extra or {}
-        for key, keys in (extras.get("staging_keys_by_episode") or {}).items():
-            staging[key] = sorted(set(staging.get(key, [])) | set(keys))
+    validate_checkpoint_id(checkpoint_id)
+    store = open_store(root)
+    published, staging = _verified_shares(store, checkpoint_id, members, commits)
     manifest = CheckpointManifest(
         checkpoint_id=checkpoint_id,
         created_at=time.time(),
@@ -185,26 +246,21 @@ def publish_checkpoint_sync(
         controller_state=controller_state,
         traceparent=traceparent,
     )
-    directory.mkdir(parents=True, exist_ok=True)
-    _fsync_directory(directory.parent)  # the checkpoint's own directory entry must survive too
-    fields = manifest.model_dump(mode="json")
-    if fields["traceparent"] is None:
-        del fields["traceparent"]  # an untraced checkpoint's file is what it always was
-    body = json.dumps(fields, sort_keys=True, indent=1).encode()
     if fault == "latest-before-manifest":
         # Deliberately wrong, for the proof suite: a crash now leaves LATEST on a partial commit.
-        _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
+        store.replace(LATEST_KEY, checkpoint_id.encode())
     boundary = on_boundary or _no_boundary
-    boundary("manifests-published")  # every share verified on disk, no checkpoint.json yet
-    _replace_durably(directory / CHECKPOINT_FILE, body)
+    boundary("manifests-published")  # every share verified in the store, no checkpoint.json yet
+    before = store.read_versioned(LATEST_KEY)  # LATEST moves only from what it is now
+    manifest = _create_checkpoint_json(store, manifest)
     boundary("checkpoint-json-written")  # checkpoint.json durable, LATEST not moved yet
     # Only now may LATEST name it: a pointer never leads to a checkpoint without its manifest.
-    _replace_durably(directory.parent / LATEST_FILE, checkpoint_id.encode())
+    _move_latest(store, checkpoint_id, None if before is None else before[1])
     return manifest
 
 
 async def publish_checkpoint(
-    root: Path,
+    root: str | Path,
     checkpoint_id: str,
     members: Sequence[Member],
     commits: Mapping[str, CommitReply],
@@ -217,10 +273,12 @@ async def publish_checkpoint(
 ) -> CheckpointManifest:
     """Publish a committed checkpoint: ``checkpoint.json`` last, then ``LATEST``.
 
-    Call it only after every participant's commit succeeded, and before resume.
+    Call it only after every participant's commit succeeded, and before resume. Publishing the
+    same commit again (a retry after a crash) is idempotent: the ``checkpoint.json`` already there
+    stands, and ``LATEST`` is moved to it.
 
     Args:
-        root: The run root.
+        root: The run root: a directory, or ``s3://bucket/prefix``.
         checkpoint_id: The checkpoint's id.
         members: Every participant that committed.
         commits: Server name → its commit reply.
@@ -232,9 +290,17 @@ async def publish_checkpoint(
             moves (a test harness kills the controller there); nothing by default.
         traceparent: The checkpoint trace's context, stored in ``checkpoint.json``.
 
+    Returns:
+        The published manifest (on a retry, the one already in the store).
+
     Raises:
         InvalidCheckpointStateError: A participant's manifest is missing or not the committed one.
-        ValueError: An unknown fault.
+        CheckpointTakenError: The id's ``checkpoint.json`` holds another publication; nothing
+            was written.
+        LatestMovedError: Another publisher moved ``LATEST`` between this one's read of it and
+            its update: ``checkpoint.json`` stays published, ``LATEST`` is the other's.
+        ValueError: An unknown fault, an unsafe id or a malformed ``s3://`` root.
+        OSError: The store failed (``protocols.StoreError``).
     """
     with coordinator_span(PUBLISH_SPAN, id=checkpoint_id, rollouts=len(continued)):
         return await anyio.to_thread.run_sync(
@@ -253,49 +319,61 @@ async def publish_checkpoint(
         )
 
 
-def read_checkpoint(root: Path, checkpoint_id: str) -> CheckpointManifest:
+def read_checkpoint(root: str | Path, checkpoint_id: str) -> CheckpointManifest:
     """Read and check ``checkpoint.json`` of one checkpoint (blocking).
 
+    Args:
+        root: The run root: a directory, or ``s3://bucket/prefix``.
+        checkpoint_id: The checkpoint's id.
+
     Raises:
-        InvalidCheckpointStateError: Missing, corrupt, of another id, or a participant's manifest
-            does not match its recorded digest.
+        InvalidCheckpointStateError: Missing (a partial commit), corrupt, of another id, or a
+            participant's manifest does not match its recorded digest.
+        ValueError: A malformed ``s3://`` root.
     """
-    directory = checkpoint_directory(root, checkpoint_id)
     try:
-        manifest = CheckpointManifest.model_validate_json(
-            (directory / CHECKPOINT_FILE).read_bytes()
-        )
+        key = checkpoint_key(checkpoint_id, CHECKPOINT_FILE)
+    except ValueError as exc:
+        raise InvalidCheckpointStateError(f"checkpoint {checkpoint_id[:200]!r}: {exc}") from exc
+    store = open_store(root)
+    try:
+        manifest = CheckpointManifest.model_validate_json(store.read(key))
     except (OSError, ValueError) as exc:
         raise InvalidCheckpointStateError(f"checkpoint {checkpoint_id}: {exc}") from exc
     if manifest.checkpoint_id != checkpoint_id:
         raise InvalidCheckpointStateError(
-            f"{directory / CHECKPOINT_FILE} names checkpoint {manifest.checkpoint_id!r}"
+            f"{store.describe(key)} names checkpoint {manifest.checkpoint_id!r}"
         )
     for share in manifest.participants:
         try:
-            digest = hashlib.sha256((directory / share.manifest).read_bytes()).hexdigest()
-        except OSError as exc:
+            data = store.read(checkpoint_key(checkpoint_id, share.manifest))
+        except (OSError, ValueError) as exc:
             raise InvalidCheckpointStateError(f"checkpoint {checkpoint_id}: {exc}") from exc
-        if digest != share.manifest_sha256:
+        if hashlib.sha256(data).hexdigest() != share.manifest_sha256:
             raise InvalidCheckpointStateError(
                 f"checkpoint {checkpoint_id}: the manifest of {share.instance} changed"
             )
     return manifest
 
 
-def read_latest(root: Path) -> CheckpointManifest | None:
+def read_latest(root: str | Path) -> CheckpointManifest | None:
     """The newest published checkpoint, or ``None`` when nothing was published (blocking).
+
+    Args:
+        root: The run root: a directory, or ``s3://bucket/prefix``.
 
     Raises:
         InvalidCheckpointStateError: ``LATEST`` names a checkpoint that does not read back.
+        ValueError: A malformed ``s3://`` root.
     """
-    pointer = Path(root) / CHECKPOINTS_SUBDIR / LATEST_FILE
+    store = open_store(root)
     try:
-        checkpoint_id = pointer.read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
+        data = store.read(LATEST_KEY)
+    except FileNotFoundError:  # protocols.ObjectMissingError too
         return None
     try:
+        checkpoint_id = data.decode("utf-8").strip()
         validate_checkpoint_id(checkpoint_id)
     except ValueError as exc:
-        raise InvalidCheckpointStateError(f"{pointer}: {exc}") from exc
+        raise InvalidCheckpointStateError(f"{store.describe(LATEST_KEY)}: {exc}") from exc
     return read_checkpoint(root, checkpoint_id)

@@ -1,149 +1,90 @@
-"""What the controller does with published checkpoints afterwards: verify, pin, collect garbage.
+"""What the controller does with published checkpoints afterwards: pin, and collect garbage.
 
-All functions here are blocking file work (call them from a worker thread inside an event loop).
+All functions here are blocking store work (call them from a worker thread inside an event loop),
+on a run root that is a directory or ``s3://bucket/prefix``.
 
-- :func:`verify_checkpoint` re-reads a checkpoint end to end: ``checkpoint.json``, each
-  participant manifest against its recorded SHA-256, each records file against its manifest's
-  digest and line count.
 - :func:`pin_checkpoint` / :func:`unpin_checkpoint` add or remove a ``PINNED`` marker.
 - :func:`collect_garbage` removes partial commits and published checkpoints beyond the newest
-  ``keep``, never the target of ``LATEST`` nor a pinned checkpoint.
+  ``keep``, never the target of ``LATEST`` nor a pinned checkpoint (D334): both are re-read from
+  the store right before each removal, and a checkpoint loses its ``checkpoint.json`` first, so
+  one removed halfway reads as a partial commit, never as published with shares missing.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Final, overload
 
 from protocols import (
-    ParticipantManifest,
-    is_records_file_name,
+    CheckpointStore,
+    is_object_store_url,
+    open_store,
     validate_checkpoint_id,
 )
 
-from ._publish import (
+from ._layout import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
-    LATEST_FILE,
-    CheckpointManifest,
-    _fsync_directory,
-    _replace_durably,
+    PINNED_FILE,
+    checkpoint_key,
+    is_protected,
+    latest_id,
 )
+from ._publish import CheckpointManifest
 
-PINNED_FILE: Final = "PINNED"
-_CHUNK: Final = 1 << 20
+_PIN: Final = b"pinned\n"
+OBJECT_TIME_SLACK: Final = 2.0
+"""Seconds a partial commit on an object store must predate the newest publication to be old.
 
-
-def _sha256_of(path: Path) -> tuple[str, int]:
-    """SHA-256 and line count of a file, streamed."""
-    digest = hashlib.sha256()
-    lines = 0
-    with open(path, "rb") as handle:
-        for line in handle:
-            digest.update(line)
-            lines += 1
-    return digest.hexdigest(), lines
+S3 gives ``LastModified`` to the second and by its own clock, not the controller's: without the
+slack a share written just after a publication, in the same second, would look older than it.
+"""
 
 
-def verify_checkpoint(directory: Path) -> list[str]:
-    """Every way a published checkpoint differs from what it claims (empty when it is intact).
-
-    Args:
-        directory: ``<root>/checkpoints/<id>``.
-
-    Returns:
-        One precise message per problem found, naming the file concerned.
-    """
-    directory = Path(directory)
-    path = directory / CHECKPOINT_FILE
-    try:
-        manifest = CheckpointManifest.model_validate_json(path.read_bytes())
-    except (OSError, ValueError) as exc:
-        return [f"{path}: unreadable checkpoint.json ({type(exc).__name__}: {exc})"]
-    problems: list[str] = []
-    if manifest.checkpoint_id != directory.name:
-        problems.append(
-            f"{path}: names checkpoint {manifest.checkpoint_id!r}, directory is {directory.name!r}"
-        )
-    for share in manifest.participants:
-        manifest_path = directory / share.manifest
-        try:
-            data = manifest_path.read_bytes()
-        except OSError as exc:
-            problems.append(f"{manifest_path}: missing manifest of {share.instance} ({exc})")
-            continue
-        actual = hashlib.sha256(data).hexdigest()
-        if actual != share.manifest_sha256:
-            problems.append(
-                f"{manifest_path}: sha256 {actual} but checkpoint.json records "
-                f"{share.manifest_sha256}"
-            )
-            continue
-        try:
-            participant = ParticipantManifest.model_validate(json.loads(data))
-        except ValueError as exc:
-            problems.append(f"{manifest_path}: not a participant manifest ({exc})")
-            continue
-        if (participant.kind, participant.instance) != (share.kind, share.instance):
-            problems.append(
-                f"{manifest_path}: belongs to {participant.kind}/{participant.instance}, "
-                f"checkpoint.json lists {share.kind}/{share.instance}"
-            )
-        if participant.checkpoint_id != manifest.checkpoint_id:
-            problems.append(
-                f"{manifest_path}: names checkpoint {participant.checkpoint_id!r}, "
-                f"expected {manifest.checkpoint_id!r}"
-            )
-        if not is_records_file_name(participant.records_file):
-            problems.append(f"{manifest_path}: unsafe records file {participant.records_file!r}")
-            continue
-        records = manifest_path.parent / participant.records_file
-        try:
-            digest, count = _sha256_of(records)
-        except OSError as exc:
-            problems.append(f"{records}: missing records file ({exc})")
-            continue
-        if digest != participant.records_sha256:
-            problems.append(
-                f"{records}: sha256 {digest} but its manifest records {participant.records_sha256}"
-            )
-        if count != participant.record_count:
-            problems.append(
-                f"{records}: {count} records but its manifest records {participant.record_count}"
-            )
-    return problems
-
-
-def pin_checkpoint(root: Path, checkpoint_id: str) -> Path:
+@overload
+def pin_checkpoint(root: Path, checkpoint_id: str) -> Path: ...
+@overload
+def pin_checkpoint(root: str, checkpoint_id: str) -> str: ...
+def pin_checkpoint(root: str | Path, checkpoint_id: str) -> str | Path:
     """Protect a published checkpoint from garbage collection (writes ``PINNED``).
 
+    Args:
+        root: The run root: a directory, or ``s3://bucket/prefix``.
+        checkpoint_id: The published checkpoint to protect.
+
+    Returns:
+        The marker: its path for a ``Path`` root, else its path or ``s3://`` URL as a string.
+
     Raises:
-        ValueError: The id is unsafe, or no published checkpoint has this id.
+        ValueError: The id is unsafe, no published checkpoint has this id, or it was collected
+            while the marker was written (the marker is removed again), or a malformed URL.
     """
-    directory = Path(root) / CHECKPOINTS_SUBDIR / validate_checkpoint_id(checkpoint_id)
-    if not (directory / CHECKPOINT_FILE).is_file():
-        raise ValueError(f"{directory} is not a published checkpoint")
-    marker = directory / PINNED_FILE
-    _replace_durably(marker, b"pinned\n")  # a pin lost to a crash would let gc delete it
-    return marker
+    store = open_store(root)
+    manifest = checkpoint_key(checkpoint_id, CHECKPOINT_FILE)
+    where = store.describe(checkpoint_key(checkpoint_id))
+    if not store.exists(manifest):
+        raise ValueError(f"{where} is not a published checkpoint")
+    marker = checkpoint_key(checkpoint_id, PINNED_FILE)
+    store.replace(marker, _PIN)  # durable: a pin lost to a crash would let gc delete it
+    if not store.exists(manifest):
+        # gc removed it between the check and the marker: the pin protects nothing, say so.
+        store.delete([marker])
+        raise ValueError(f"{where} was collected by gc while it was being pinned")
+    return Path(store.describe(marker)) if isinstance(root, Path) else store.describe(marker)
 
 
-def unpin_checkpoint(root: Path, checkpoint_id: str) -> bool:
+def unpin_checkpoint(root: str | Path, checkpoint_id: str) -> bool:
     """Remove the ``PINNED`` marker; whether there was one.
 
     Raises:
-        ValueError: The id is unsafe.
+        ValueError: The id is unsafe, or a malformed ``s3://`` URL.
     """
-    directory = Path(root) / CHECKPOINTS_SUBDIR / validate_checkpoint_id(checkpoint_id)
-    marker = directory / PINNED_FILE
-    if not marker.exists():
+    store = open_store(root)
+    marker = checkpoint_key(checkpoint_id, PINNED_FILE)
+    if not store.exists(marker):
         return False
-    marker.unlink()
-    _fsync_directory(directory)  # the unpin is a deliberate act: make it stick
+    store.delete([marker])  # durable (the directory is synced): the unpin is a deliberate act
     return True
 
 
@@ -168,84 +109,145 @@ class GcReport:
     dry_run: bool = False
 
 
-def _tree_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file() and not p.is_symlink())
+@dataclass(frozen=True)
+class _Listed:
+    """One checkpoint as gc found it: its id, size, age and whether it was published."""
+
+    checkpoint_id: str
+    size: int
+    newest: float
+    published_at: float | None
 
 
-def _tree_mtime(directory: Path) -> float:
-    return max([directory.stat().st_mtime, *(p.stat().st_mtime for p in directory.rglob("*"))])
+def _tree(store: CheckpointStore, checkpoint_id: str) -> tuple[int, float, float | None]:
+    """Bytes, newest modification time and ``checkpoint.json``'s time of one checkpoint.
+
+    A directory counts everything in it, temp files and its subdirectories' own times included:
+    a participant still writing one is a commit under way. An object store has no temp objects.
+    """
+    prefix = checkpoint_key(checkpoint_id)
+    if not is_object_store_url(store.url):
+        directory = Path(store.url) / prefix
+        entries = [p for p in directory.rglob("*") if not p.is_symlink()]
+        size = sum(p.stat().st_size for p in entries if p.is_file())
+        newest = max([directory.stat().st_mtime, *(p.stat().st_mtime for p in entries)])
+        json_path = directory / CHECKPOINT_FILE
+        return size, newest, json_path.stat().st_mtime if json_path.is_file() else None
+    objects = store.list_objects(prefix)
+    json_key = checkpoint_key(checkpoint_id, CHECKPOINT_FILE)
+    json_time = next((o.modified for o in objects if o.key == json_key), None)
+    return sum(o.size for o in objects), max(o.modified for o in objects), json_time
 
 
-def _published_at(directory: Path) -> float:
-    path = directory / CHECKPOINT_FILE
+def _listed(store: CheckpointStore, checkpoint_id: str) -> _Listed | None:
     try:
-        return CheckpointManifest.model_validate_json(path.read_bytes()).created_at
+        size, newest, json_time = _tree(store, checkpoint_id)
+    except (FileNotFoundError, ValueError):
+        return None  # removed meanwhile (another gc), or empty
+    if json_time is None:
+        return _Listed(checkpoint_id, size, newest, None)
+    try:
+        manifest = store.read(checkpoint_key(checkpoint_id, CHECKPOINT_FILE))
+        published_at = CheckpointManifest.model_validate_json(manifest).created_at
     except (OSError, ValueError):
-        return path.stat().st_mtime  # unreadable: rank it by when it was written
+        published_at = json_time  # unreadable: rank it by when it was written
+    return _Listed(checkpoint_id, size, newest, published_at)
 
 
-def collect_garbage(root: Path, keep: int, *, dry_run: bool = False) -> GcReport:
+def _collect(store: CheckpointStore, listed: _Listed) -> bool:
+    """Remove one checkpoint unless, read again now, ``LATEST`` names it or it is pinned.
+
+    ``checkpoint.json`` goes first: from then on the rest is a partial commit to every reader.
+    """
+    checkpoint_id = listed.checkpoint_id
+    manifest = checkpoint_key(checkpoint_id, CHECKPOINT_FILE)
+    if is_protected(store, checkpoint_id):
+        return False
+    if listed.published_at is None:
+        if store.exists(manifest):
+            return False  # a partial commit that was published since it was listed
+    else:
+        store.delete([manifest])
+    store.delete_tree(checkpoint_key(checkpoint_id))
+    return True
+
+
+def collect_garbage(root: str | Path, keep: int, *, dry_run: bool = False) -> GcReport:
     """Remove partial commits and the published checkpoints beyond the newest ``keep``.
 
-    A partial commit is a checkpoint directory without ``checkpoint.json``; it is removed only
-    when nothing in it is newer than the newest published checkpoint (an older one can never be
-    published any more; a newer one may be a commit under way). Whatever ``LATEST`` names and
-    every directory holding ``PINNED`` are kept whatever their age.
+    A partial commit is a checkpoint without ``checkpoint.json``; it is removed only when nothing
+    in it is newer than the newest published checkpoint (an older one can never be published any
+    more; a newer one may be a commit under way; on an object store "older" means by more than
+    ``OBJECT_TIME_SLACK``). Whatever ``LATEST`` names and every checkpoint holding ``PINNED``
+    are kept whatever their age; both are read again right before each removal, so a pin or a
+    publication made while gc runs is honoured (D334).
+
+    Args:
+        root: The run root: a directory, or ``s3://bucket/prefix``.
+        keep: How many published checkpoints to keep, newest first.
+        dry_run: Only report what would be removed.
 
     Raises:
-        ValueError: ``keep`` is below 1 (the newest checkpoint is always kept).
+        ValueError: ``keep`` is below 1 (the newest checkpoint is always kept), or a malformed
+            ``s3://`` URL.
     """
     if keep < 1:
         raise ValueError("keep must be at least 1: gc never removes the newest checkpoint")
-    base = Path(root) / CHECKPOINTS_SUBDIR
-    report = GcReport(dry_run=dry_run)
-    if not base.is_dir():
-        return report
-    try:
-        latest = (base / LATEST_FILE).read_text(encoding="utf-8").strip()
-    except FileNotFoundError:
-        latest = ""
-    published: list[tuple[float, str, Path]] = []
-    partials: list[tuple[float, str, Path]] = []
-    for entry in sorted(base.iterdir()):
-        if not entry.is_dir() or entry.is_symlink() or entry.name.startswith("."):
-            continue
-        if (entry / CHECKPOINT_FILE).is_file():
-            published.append((_published_at(entry), entry.name, entry))
-        else:
-            partials.append((_tree_mtime(entry), entry.name, entry))
-    published.sort(reverse=True)
-    newest = published[0][0] if published else None
-    doomed: list[tuple[str, Path, bool]] = []
-    for rank, (_, name, entry) in enumerate(published):
-        guarded = name == latest or (entry / PINNED_FILE).exists()
+    store = open_store(root)
+    names = [name for name in store.subdirectories(CHECKPOINTS_SUBDIR) if _is_id(name)]
+    latest = latest_id(store) if names else ""
+    found = [listed for name in names if (listed := _listed(store, name)) is not None]
+    published = sorted(
+        (f for f in found if f.published_at is not None),
+        key=lambda f: (f.published_at, f.checkpoint_id),
+        reverse=True,
+    )
+    cutoff = published[0].published_at if published else None  # older partials are dead
+    if cutoff is not None and is_object_store_url(store.url):
+        cutoff -= OBJECT_TIME_SLACK
+    kept: list[str] = []
+    protected: list[str] = []
+    doomed: list[_Listed] = []
+    for rank, listed in enumerate(published):
+        name = listed.checkpoint_id
         if rank < keep:
-            report.kept.append(name)
-        elif guarded:
-            report.kept.append(name)
-            report.protected.append(name)
+            kept.append(name)
+        elif name == latest or store.exists(checkpoint_key(name, PINNED_FILE)):
+            kept.append(name)
+            protected.append(name)
         else:
-            doomed.append((name, entry, False))
-    for mtime, name, entry in sorted(partials):
-        if name == latest or (entry / PINNED_FILE).exists():
-            report.protected.append(name)
-        elif newest is not None and mtime < newest:
-            doomed.append((name, entry, True))
+            doomed.append(listed)
+    for listed in sorted((f for f in found if f.published_at is None), key=lambda f: f.newest):
+        name = listed.checkpoint_id
+        if name == latest or store.exists(checkpoint_key(name, PINNED_FILE)):
+            protected.append(name)
+        elif cutoff is not None and listed.newest < cutoff:
+            doomed.append(listed)
+    removed: list[str] = []
     reclaimed = 0
-    for name, entry, partial in sorted(doomed, key=lambda d: d[0]):
-        reclaimed += _tree_bytes(entry)
-        report.removed.append(name)
-        if partial:
-            report.partial.append(name)
-        if not dry_run:
-            shutil.rmtree(entry)
-    if doomed and not dry_run:
-        _fsync_directory(base)  # the removals are final once the directory says so
+    for listed in sorted(doomed, key=lambda d: d.checkpoint_id):
+        if not dry_run and not _collect(store, listed):
+            protected.append(listed.checkpoint_id)  # pinned or made LATEST while gc ran
+            if listed.published_at is not None:
+                kept.append(listed.checkpoint_id)
+            continue
+        removed.append(listed.checkpoint_id)
+        reclaimed += listed.size
+    partial = [d.checkpoint_id for d in doomed if d.published_at is None]
     return GcReport(
-        removed=report.removed,
-        partial=report.partial,
-        kept=report.kept,
-        protected=sorted(report.protected),
+        removed=removed,
+        partial=[name for name in removed if name in partial],
+        kept=kept,
+        protected=sorted(protected),
         bytes_reclaimed=reclaimed,
         dry_run=dry_run,
     )
+
+
+def _is_id(name: str) -> bool:
+    """Whether a name under ``checkpoints/`` can be a checkpoint (anything else is left alone)."""
+    try:
+        validate_checkpoint_id(name)
+    except ValueError:
+        return False
+    return True

@@ -22,7 +22,16 @@ from opentelemetry import propagate, trace
 from opentelemetry.trace import Link, ProxyTracerProvider, Span, SpanKind, Status, StatusCode
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from protocols import COLLECTION_CHECKPOINT_SPAN, TRACEPARENT_HEADER, WireError, attribute
+from protocols import (
+    COLLECTION_CHECKPOINT_SPAN,
+    TRACEPARENT_HEADER,
+    WireError,
+    attribute,
+    is_object_store_url,
+    open_store,
+)
+
+from ._layout import CHECKPOINT_FILE
 
 TRACER: Final = trace.get_tracer("midflight.coordinator")
 """The tracer of every coordinator span (a no-op until an SDK provider is installed)."""
@@ -151,10 +160,15 @@ def link_to_checkpoint(span: Span, traceparent: str | None) -> None:
         span.add_link(context, {LINK_KIND: "restored_checkpoint"})
 
 
-def stored_traceparent(manifest_path: Path) -> str | None:
-    """The ``traceparent`` a published ``checkpoint.json`` stores, if it can be read."""
+def stored_traceparent(checkpoint_dir: str | Path) -> str | None:
+    """The ``traceparent`` a published ``checkpoint.json`` stores, if it can be read.
+
+    Args:
+        checkpoint_dir: The checkpoint: its directory, or its ``s3://`` URL.
+    """
+    location = checkpoint_dir if is_object_store_url(checkpoint_dir) else Path(checkpoint_dir)
     try:
-        stored = json.loads(manifest_path.read_bytes()).get("traceparent")
+        stored = json.loads(open_store(location).read(CHECKPOINT_FILE)).get("traceparent")
     except (OSError, ValueError, AttributeError):
         return None
     return stored if isinstance(stored, str) else None

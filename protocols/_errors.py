@@ -36,6 +36,11 @@ Exception tree::
     │   └── StreamingUnsupportedError             participants: staging takes whole responses
     ├── CoordinationError                         coordinator: an operation failed on some servers
     ├── NotAParticipantError                      coordinator: the status route answered 404
+    ├── PublicationConflictError                  coordinator: another publication got to the store first
+    │   ├── CheckpointTakenError                  coordinator: the id's checkpoint.json holds another one
+    │   └── LatestMovedError                      coordinator: another publisher moved LATEST first
+    ├── StoreError (OSError)                      protocols: a checkpoint store request failed
+    │   └── ObjectMissingError (FileNotFoundError) protocols: the key names no object
     ├── ContinuationRefused                       e2e: the worker refused a generation cut
     ├── DrillStalledError (RuntimeError)          e2e: the drill stopped making progress
     ├── EngineError (ValueError)                  e2e: an engine unknown or not installed

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, Protocol, runtime_checkable
 
+from .._errors import MidflightError
+
 S3_SCHEME: Final = "s3://"
 _SEGMENT: Final = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,254}$")
 
 
-class StoreError(OSError):
+class StoreError(MidflightError, OSError):
     """A store operation failed (I/O, the network, credentials); nothing was changed by it."""
 
 

@@ -10,6 +10,7 @@ publishers in other processes are ordered too; no lock file is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -161,7 +162,7 @@ class PosixCheckpointStore:
             path.unlink(missing_ok=True)
             touched.add(path.parent)
         for directory in touched:
-            if directory.is_dir():
+            with contextlib.suppress(FileNotFoundError):  # removed meanwhile: nothing to sync
                 fsync_directory(directory)
 
     def delete_tree(self, prefix: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,6 +19,8 @@ from fastapi import FastAPI
 from coordinator import ControlClient, Coordinator, Member
 from participants import BaseParticipant, ControlPlane, Record, build_report, participant_app
 from protocols import CheckpointRequest, EpisodeId, ParticipantKind, PrepareReport
+
+from .s3_participants import ASGIApp, S3Shares
 
 TOKEN = "coord-token"
 
@@ -89,7 +92,7 @@ class Router(httpx.AsyncBaseTransport):
         self.down: set[str] = set()
         self.requests: list[httpx.Request] = []
 
-    def add(self, host: str, app: FastAPI) -> None:
+    def add(self, host: str, app: FastAPI | ASGIApp) -> None:
         self.apps[host] = httpx.ASGITransport(app=app)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
@@ -128,8 +131,14 @@ DEFAULT_SHAPE: tuple[tuple[ParticipantKind, str], ...] = (
 async def deployment(
     shape: Sequence[tuple[ParticipantKind, str]] = DEFAULT_SHAPE,
     log: list[tuple[str, str, str]] | None = None,
+    *,
+    s3_mirror: Path | None = None,
 ) -> AsyncIterator[Deployment]:
-    """Start one control plane per ``(kind, instance)``; yield them with a coordinator."""
+    """Start one control plane per ``(kind, instance)``; yield them with a coordinator.
+
+    With ``s3_mirror``, every participant commits to and restores from an ``s3://``
+    ``checkpoint_dir`` through :class:`S3Shares` (a directory of its own under ``s3_mirror``).
+    """
     log = [] if log is None else log
     router = Router()
     fakes: dict[str, Logged] = {}
@@ -139,7 +148,8 @@ async def deployment(
             fake = Logged(kind, instance, log)
             plane = ControlPlane(fake)
             await stack.enter_async_context(plane.running())
-            router.add(instance, participant_app(plane, token=TOKEN))
+            app = participant_app(plane, token=TOKEN)
+            router.add(instance, app if s3_mirror is None else S3Shares(app, s3_mirror / instance))
             fakes[instance], planes[instance] = fake, plane
         members = [
             Member(

@@ -9,9 +9,10 @@ import pytest
 
 from coordinator import CoordinationError, checkpoint, read_latest, verify_checkpoint
 from participants import Record
-from protocols import CheckpointError, EpisodeId, Phase
+from protocols import CheckpointError, EpisodeId, Phase, open_store
 
 from .deployment import deployment
+from .s3_participants import S3Shares
 
 pytestmark = pytest.mark.anyio
 R1, R2, R3 = (EpisodeId(rollout_id=r) for r in ("r1", "r2", "r3"))
@@ -133,3 +134,28 @@ async def test_a_failed_commit_never_removes_a_published_checkpoint(tmp_path: Pa
     assert (tmp_path / "checkpoints" / "c1" / "checkpoint.json").exists()
     assert not (tmp_path / "checkpoints" / "c2").exists()
     assert verify_checkpoint(tmp_path / "checkpoints" / "c1") == []
+
+
+async def test_on_an_s3_root_the_participants_get_its_url_and_a_failure_leaves_nothing(
+    s3_root: str, tmp_path: Path
+) -> None:
+    async with deployment(s3_mirror=tmp_path) as d:
+        for fake in d.fakes.values():
+            fake.episodes = [R1]
+        outcome = await checkpoint(d.coordinator, s3_root, "c1", deadline_seconds=30)
+        assert outcome.published
+
+        async def broken(episode_ids: object) -> list[object]:
+            raise CheckpointError("disk full")
+
+        d.fakes["policy"].export = broken  # type: ignore[method-assign,assignment]
+        with pytest.raises(CoordinationError):
+            await checkpoint(d.coordinator, s3_root, "c2", deadline_seconds=30)
+    app = d.router.apps["agent"].app
+    assert isinstance(app, S3Shares)
+    assert app.locations == [f"{s3_root}/checkpoints/c1", f"{s3_root}/checkpoints/c2"]
+    latest = read_latest(s3_root)
+    assert latest is not None and latest.checkpoint_id == "c1" and latest.continued == [R1]
+    assert verify_checkpoint(f"{s3_root}/checkpoints/c1") == []
+    # the shares the others committed to c2 went with it
+    assert open_store(s3_root).list_objects("checkpoints/c2") == []

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from coordinator import checkpoint_trace
 from coordinator._tracing import LINK_KIND, link_to_checkpoint, stored_traceparent
-from protocols import COLLECTION_CHECKPOINT_SPAN, attribute
+from protocols import COLLECTION_CHECKPOINT_SPAN, attribute, open_store
 
 from ..span_capture import attributes, recorded_spans
 
@@ -61,12 +61,16 @@ def test_off_there_is_no_traceparent_to_store() -> None:
         traced.record(published=True)  # nothing to record on, and no error
 
 
+@pytest.mark.parametrize("where", ["directory", "s3"])
 def test_a_restore_links_to_the_trace_a_manifest_stores(
-    recorded_spans: InMemorySpanExporter, tmp_path: Path
+    recorded_spans: InMemorySpanExporter, tmp_path: Path, request: pytest.FixtureRequest, where: str
 ) -> None:
-    manifest = tmp_path / "checkpoint.json"
-    manifest.write_text('{"traceparent": "00-' + "c" * 32 + "-" + "d" * 16 + '-01"}')
-    stored = stored_traceparent(manifest)
+    checkpoint: str | Path = tmp_path
+    if where == "s3":
+        checkpoint = f"{request.getfixturevalue('s3_root')}/checkpoints/ck-7"
+    body = '{"traceparent": "00-' + "c" * 32 + "-" + "d" * 16 + '-01"}'
+    open_store(checkpoint).replace("checkpoint.json", body.encode())
+    stored = stored_traceparent(checkpoint)
     with trace.get_tracer("t").start_as_current_span("restore") as span:
         link_to_checkpoint(span, stored)
     (finished,) = recorded_spans.get_finished_spans()
@@ -77,10 +81,10 @@ def test_a_restore_links_to_the_trace_a_manifest_stores(
     "content", [None, "", "not json", "[]", '{"traceparent": 3}', '{"other": 1}']
 )
 def test_a_missing_or_unreadable_traceparent_is_none(tmp_path: Path, content: str | None) -> None:
-    manifest = tmp_path / "checkpoint.json"
     if content is not None:
-        manifest.write_text(content)
-    assert stored_traceparent(manifest) is None
+        (tmp_path / "checkpoint.json").write_text(content)
+    assert stored_traceparent(tmp_path) is None
+    assert stored_traceparent("s3://Not_A_Bucket/checkpoints/c1") is None
 
 
 @pytest.mark.parametrize("name", ["api_key", "token_ids", "bearerToken", "Key"])

@@ -21,10 +21,11 @@ from pathlib import Path
 from typing import Final
 
 from protocols import (
+    S3_SCHEME,
     CheckpointStore,
     MidflightError,
     is_object_store_url,
-    open_store,
+    split_s3_url,
     store_key,
     validate_checkpoint_id,
 )
@@ -72,7 +73,8 @@ def checkpoint_location(root: str | Path, checkpoint_id: str) -> str:
         ValueError: An unsafe id, or a malformed ``s3://`` URL.
     """
     if is_object_store_url(root):
-        return open_store(root).describe(checkpoint_key(checkpoint_id))
+        bucket, prefix = split_s3_url(str(root))
+        return S3_SCHEME + "/".join(p for p in (bucket, prefix, checkpoint_key(checkpoint_id)) if p)
     return str(checkpoint_directory(Path(root), checkpoint_id))
 
 

@@ -90,6 +90,9 @@ PUBLIC = {
         "discover", "pin_checkpoint", "publish_checkpoint", "read_checkpoint",
         "read_latest", "unpin_checkpoint", "verify_checkpoint",
         "CheckpointTrace", "checkpoint_trace",  # one checkpoint, one trace (D320)
+        # a run root on a store: the location to send, two publications that collide (D332)
+        "CheckpointTakenError", "LatestMovedError", "PublicationConflictError",
+        "checkpoint_location",
     ],
     "e2e": [
         "build_app", "main",

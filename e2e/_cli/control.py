@@ -1,6 +1,9 @@
 """The operator's control commands over a cluster file: status, checkpoint, restore, resume, retire,
 forget.
 
+``checkpoint`` and ``restore`` keep checkpoints under the cluster file's ``checkpoint_store`` when
+it names one (an ``s3://`` URL), else under its ``root``.
+
 The control token comes from ``MIDFLIGHT_CONTROL_TOKEN``. Every command takes ``--json``; long
 operations show a progress spinner on stderr (never on stdout, which ``--json`` owns).
 """
@@ -23,8 +26,9 @@ from rich.markup import escape
 from coordinator import (
     CoordinationError,
     Coordinator,
+    PublicationConflictError,
     checkpoint,
-    checkpoint_directory,
+    checkpoint_location,
     discover,
     read_checkpoint,
     read_latest,
@@ -33,6 +37,7 @@ from protocols import EpisodeId, WireError
 
 from .._servers.cluster import Cluster, read_cluster
 from .._servers.context import CONTROL_TOKEN_ENV
+from .locations import store_failed
 from .output import JsonOption, console, emit, error_console, usage_error
 from .status_table import CONTROL_DISABLED, answered, participant_rows, status_table
 
@@ -105,7 +110,8 @@ def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -
     try:
         with spinner:
             return anyio.run(work)
-    except (CoordinationError, WireError) as exc:
+    except (CoordinationError, WireError, PublicationConflictError, OSError) as exc:
+        # OSError: the checkpoint store failed (protocols.StoreError), not a participant
         failures = getattr(exc, "failures", {})
         message = str(exc)
         payload = {"ok": False, "error": message, "failures": failures}
@@ -210,7 +216,11 @@ def register(app: typer.Typer) -> None:
         async def work() -> Any:
             async with _coordinator(servers, token) as coordinator:
                 return await checkpoint(
-                    coordinator, servers.root, chosen, deadline_seconds=deadline, episodes=episodes
+                    coordinator,
+                    servers.store_root,
+                    chosen,
+                    deadline_seconds=deadline,
+                    episodes=episodes,
                 )
 
         outcome = _run(f"checkpoint {chosen}…", as_json, work)
@@ -218,7 +228,7 @@ def register(app: typer.Typer) -> None:
             "ok": outcome.published,
             "checkpoint_id": chosen,
             "published": outcome.published,
-            "checkpoint_dir": str(checkpoint_directory(servers.root, chosen)),
+            "checkpoint_dir": checkpoint_location(servers.store_root, chosen),
             "blockers": outcome.prepare.blockers(),
             "blocking_episodes": [e.capture_key for e in outcome.blocking_episodes()],
             "restarts": sorted(e.capture_key for e in outcome.prepare.restarts()),
@@ -254,16 +264,17 @@ def register(app: typer.Typer) -> None:
         """Restore a published checkpoint everywhere, all or nothing."""
         servers = _load(cluster)
         token = _token()
+        store_root = servers.store_root
         try:
-            manifest = (
-                read_checkpoint(servers.root, source) if source else read_latest(servers.root)
-            )
+            manifest = read_checkpoint(store_root, source) if source else read_latest(store_root)
         except (WireError, ValueError) as exc:
             usage_error(str(exc))
+        except OSError as exc:
+            store_failed(exc)
         if manifest is None:
-            usage_error(f"nothing is published under {servers.root}")
+            usage_error(f"nothing is published under {store_root}")
         operation = f"restore-{int(time.time() * 1000)}"
-        directory = str(checkpoint_directory(servers.root, manifest.checkpoint_id))
+        directory = checkpoint_location(store_root, manifest.checkpoint_id)
 
         async def work() -> list[str]:
             async with _coordinator(servers, token) as coordinator:

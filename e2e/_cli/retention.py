@@ -1,4 +1,7 @@
-"""``midflight verify``, ``gc`` and ``pin``: thin wrappers over ``coordinator``'s retention."""
+"""``midflight verify``, ``gc`` and ``pin``: thin wrappers over ``coordinator``'s retention.
+
+Each takes a directory or an ``s3://`` URL (see ``locations``).
+"""
 
 from __future__ import annotations
 
@@ -19,10 +22,14 @@ from coordinator import (
     verify_checkpoint,
 )
 
+from .locations import (
+    SHARES_SUBDIR,
+    as_location,
+    check_store_checkpoint,
+    check_store_root,
+    store_failed,
+)
 from .output import JsonOption, console, emit, error_console, usage_error
-
-SHARES_SUBDIR = "gym"
-"""Where participants commit their shares inside a checkpoint directory."""
 
 
 def _latest_hint(checkpoints: Path) -> str:
@@ -85,24 +92,35 @@ def register(app: typer.Typer) -> None:
 
     @app.command("verify")
     def verify_command(
-        directory: Annotated[Path, typer.Argument(help="A checkpoint: <root>/checkpoints/<id>.")],
+        directory: Annotated[
+            str,
+            typer.Argument(help="A checkpoint: <root>/checkpoints/<id>, a directory or s3:// URL."),
+        ],
         as_json: JsonOption = False,
     ) -> None:
         """Check checkpoint.json, every participant manifest and every records file."""
-        check_checkpoint_argument(directory)
-        with error_console.status(f"verifying {directory}…") if not as_json else _Quiet():
-            if (directory / CHECKPOINT_FILE).exists():
-                problems = verify_checkpoint(directory)
+        location = as_location(directory)
+        try:
+            if isinstance(location, Path):
+                check_checkpoint_argument(location)
+                published = (location / CHECKPOINT_FILE).exists()
             else:
-                problems = [
-                    f"{directory}: participant shares but no {CHECKPOINT_FILE}: a partial "
-                    "commit, never published"
-                ]
-        payload = {"checkpoint_dir": str(directory), "ok": not problems, "problems": problems}
+                published = check_store_checkpoint(location).exists(CHECKPOINT_FILE)
+            with error_console.status(f"verifying {location}…") if not as_json else _Quiet():
+                if published:
+                    problems = verify_checkpoint(location)
+                else:
+                    problems = [
+                        f"{location}: participant shares but no {CHECKPOINT_FILE}: a partial "
+                        "commit, never published"
+                    ]
+        except OSError as exc:
+            store_failed(exc)
+        payload = {"checkpoint_dir": str(location), "ok": not problems, "problems": problems}
 
         def render() -> None:
             if not problems:
-                console.print(f"[green]OK[/green] {directory}")
+                console.print(f"[green]OK[/green] {location}")
             for problem in problems:
                 error_console.print(f"[red]MISMATCH[/red] {escape(problem)}", soft_wrap=True)
 
@@ -111,14 +129,23 @@ def register(app: typer.Typer) -> None:
 
     @app.command("gc")
     def gc_command(
-        root: Annotated[Path, typer.Argument(help="The run root (holds checkpoints/).")],
+        root: Annotated[
+            str, typer.Argument(help="The run root (holds checkpoints/): a directory or s3:// URL.")
+        ],
         keep: Annotated[int, typer.Option(min=1, help="Published checkpoints to keep.")] = 3,
         dry_run: Annotated[bool, typer.Option("--dry-run", help="Only report.")] = False,
         as_json: JsonOption = False,
     ) -> None:
         """Remove partial commits and checkpoints beyond the newest N (never LATEST or pinned)."""
-        check_root_argument(root)
-        report = collect_garbage(root, keep, dry_run=dry_run)
+        location = as_location(root)
+        if isinstance(location, Path):
+            check_root_argument(location)
+        else:
+            check_store_root(location)
+        try:
+            report = collect_garbage(location, keep, dry_run=dry_run)
+        except OSError as exc:
+            store_failed(exc)
         payload = {
             "removed": report.removed,
             "partial": report.partial,
@@ -146,20 +173,23 @@ def register(app: typer.Typer) -> None:
 
     @app.command("pin")
     def pin_command(
-        root: Annotated[Path, typer.Argument(help="The run root.")],
+        root: Annotated[str, typer.Argument(help="The run root: a directory or s3:// URL.")],
         checkpoint_id: Annotated[str, typer.Argument(help="The checkpoint to protect.")],
         remove: Annotated[bool, typer.Option("--remove", help="Unpin instead.")] = False,
         as_json: JsonOption = False,
     ) -> None:
         """Protect a published checkpoint from gc (or lift the protection)."""
+        location = as_location(root)
         try:
             changed = (
-                unpin_checkpoint(root, checkpoint_id)
+                unpin_checkpoint(location, checkpoint_id)
                 if remove
-                else bool(pin_checkpoint(root, checkpoint_id))
+                else bool(pin_checkpoint(location, checkpoint_id))
             )
         except ValueError as exc:
             usage_error(str(exc))
+        except OSError as exc:
+            store_failed(exc)
         payload = {"checkpoint_id": checkpoint_id, "pinned": not remove, "changed": changed}
         emit(
             payload,

@@ -1,5 +1,9 @@
 """The cluster file (TOML): the run root and every server's name, role, URL and options.
 
+An optional ``checkpoint_store`` names where the coordinator keeps checkpoints when that is not
+the run root: an ``s3://bucket/prefix`` URL (or another absolute directory). Without it, as in
+every file written before it existed, checkpoints live under ``root``.
+
 The supervisor writes it; every server, the coordinator and the command line read it. Servers
 start in dependency order (worker, model, resources, agent, environment), so when a server reads
 the file at start-up its peers are already listed.
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any, Final, Literal
 
 from participants import write_file_durably
+from protocols import is_object_store_url, split_s3_url
 
 Role = Literal["environment", "agent", "resources", "model", "worker"]
 ROLES: Final[tuple[Role, ...]] = ("worker", "model", "resources", "agent", "environment")
@@ -47,10 +52,27 @@ class ServerEntry:
 
 @dataclass(frozen=True)
 class Cluster:
-    """A parsed cluster file."""
+    """A parsed cluster file.
+
+    Attributes:
+        root: The run root (logs, ledger, staging; checkpoints too, unless ``checkpoint_store``).
+        servers: Every ``[[server]]`` table, in file order.
+        checkpoint_store: Where checkpoints are kept instead of ``root``: ``s3://bucket/prefix``
+            or an absolute directory; ``None`` for ``root``.
+    """
 
     root: Path
     servers: tuple[ServerEntry, ...]
+    checkpoint_store: str | None = None
+
+    @property
+    def store_root(self) -> str | Path:
+        """The run root of the checkpoints: ``checkpoint_store`` when set, else ``root``."""
+        if self.checkpoint_store is None:
+            return self.root
+        if is_object_store_url(self.checkpoint_store):
+            return self.checkpoint_store
+        return Path(self.checkpoint_store)
 
     def by_role(self, role: Role) -> list[ServerEntry]:
         """The servers of one role, in file order."""
@@ -92,13 +114,34 @@ def read_cluster(path: Path) -> Cluster:
     root = data.get("root")
     if not isinstance(root, str) or not Path(root).is_absolute():
         raise ValueError(f"{path}: root must be an absolute path")
+    store = data.get("checkpoint_store")
+    if store is not None:
+        _check_store(path, store)
     servers = []
     for entry in data.get("server", []):
         options = {k: v for k, v in entry.items() if k not in ("name", "role", "url")}
         if entry.get("role") not in ROLES:
             raise ValueError(f"{path}: unknown role {entry.get('role')!r}")
         servers.append(ServerEntry(str(entry["name"]), entry["role"], str(entry["url"]), options))
-    return Cluster(root=Path(root), servers=tuple(servers))
+    return Cluster(root=Path(root), servers=tuple(servers), checkpoint_store=store)
+
+
+def _check_store(path: Path, store: Any) -> None:
+    """``checkpoint_store`` is an ``s3://`` URL that parses, or an absolute directory.
+
+    Raises:
+        ValueError: It is neither.
+    """
+    if isinstance(store, str) and is_object_store_url(store):
+        try:
+            split_s3_url(store)
+        except ValueError as exc:
+            raise ValueError(f"{path}: checkpoint_store: {exc}") from exc
+        return
+    if not isinstance(store, str) or not Path(store).is_absolute():
+        raise ValueError(
+            f"{path}: checkpoint_store must be an s3://bucket/prefix URL or an absolute path"
+        )
 
 
 def _toml_value(value: Any) -> str:
@@ -114,7 +157,10 @@ def _toml_value(value: Any) -> str:
 
 def write_cluster(path: Path, cluster: Cluster) -> None:
     """Write the cluster file atomically (temp, fsync, rename, directory fsync)."""
-    lines = [f"root = {_toml_value(str(cluster.root))}", ""]
+    lines = [f"root = {_toml_value(str(cluster.root))}"]
+    if cluster.checkpoint_store is not None:
+        lines.append(f"checkpoint_store = {_toml_value(cluster.checkpoint_store)}")
+    lines.append("")
     for server in cluster.servers:
         lines += [
             "[[server]]",

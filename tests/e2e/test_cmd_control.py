@@ -21,6 +21,7 @@ from e2e._servers.cluster import Cluster, ServerEntry, write_cluster
 from participants import ControlPlane, Record, participant_app
 from protocols import CheckpointError, EpisodeId, ParticipantKind, Phase
 from tests.coordinator.deployment import TOKEN, Logged
+from tests.coordinator.s3_participants import S3Shares
 from tests.coordinator.test_client_end_to_end import _free_port, _serve
 
 pytestmark = pytest.mark.anyio
@@ -48,7 +49,12 @@ class Served:
 
 
 @asynccontextmanager
-async def served(tmp_path: Path) -> AsyncIterator[Served]:
+async def served(tmp_path: Path, checkpoint_store: str | None = None) -> AsyncIterator[Served]:
+    """Real control planes on 127.0.0.1 and their cluster file.
+
+    With an ``s3://`` ``checkpoint_store``, the file names it and each participant commits to and
+    restores from it (through ``S3Shares``).
+    """
     log: list[tuple[str, str, str]] = []
     fakes: dict[str, Logged] = {}
     planes: dict[str, ControlPlane] = {}
@@ -59,15 +65,16 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
             fake.episodes = [R1, R2]
             plane = ControlPlane(fake)
             await stack.enter_async_context(plane.running())
-            urls[instance] = await stack.enter_async_context(
-                _serve(participant_app(plane, token=TOKEN))
-            )
+            app: Any = participant_app(plane, token=TOKEN)
+            if checkpoint_store is not None:
+                app = S3Shares(app, tmp_path / "mirror" / instance)
+            urls[instance] = await stack.enter_async_context(_serve(app))
             fakes[instance], planes[instance] = fake, plane
         root = tmp_path / "run"
         root.mkdir()
         servers = tuple(ServerEntry(i, role, urls[i]) for _, i, role in SHAPE)  # type: ignore[arg-type]
         cluster_file = tmp_path / "cluster.toml"
-        write_cluster(cluster_file, Cluster(root=root, servers=servers))
+        write_cluster(cluster_file, Cluster(root, servers, checkpoint_store))
         yield Served(cluster_file, root, fakes, planes, urls, log)
 
 

@@ -16,12 +16,19 @@ from coordinator.testing import PUBLISH_FAULTS
 from participants import RESOURCES_MODES, VERIFY_MODES
 
 from .._drill.matrix import cells_json, parse_cells, run_matrix
-from .._drill.oracle import ERROR_FIGURES, MIN_CHECKPOINTS, MIN_CRASHES
+from .._drill.oracle import ERROR_FIGURES
 from .._drill.progress import DrillProgress, is_progress_line
 from .._drill.run import FAULTS, DrillOptions, DrillStalledError, default_concurrency, run_drill
+from .._drill.store import DISK
 from .._sequences.cases import NAMED_CASES
 from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
-from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names, load_engine_factory
+from .._worker.engines import DEFAULT_ENGINE, engine_names
+from .drill_checks import (
+    refuse_a_drill_that_cannot_pass,
+    refuse_a_store_that_cannot_run,
+    refuse_a_used_directory,
+    refuse_an_engine_that_cannot_run,
+)
 from .output import JsonOption, console, emit, error_console, usage_error
 
 
@@ -98,63 +105,6 @@ SHOWN = (
     "wall_s",
     "baseline_wall_s",
 )
-
-
-def refuse_a_used_directory(keep_dir: Path) -> None:
-    """Refuse a ``--keep-dir`` that holds anything: a run there would read the old run's evidence.
-
-    Raises:
-        typer.Exit: With exit code 2, after one line.
-    """
-    if keep_dir.exists() and not keep_dir.is_dir():
-        usage_error(f"--keep-dir {keep_dir} is not a directory")
-    if keep_dir.is_dir() and any(keep_dir.iterdir()):
-        usage_error(
-            f"--keep-dir {keep_dir} is not empty (a kept run would mix with this one): "
-            "name a new or empty directory"
-        )
-
-
-def refuse_a_drill_that_cannot_pass(checkpoints: int, crashes: int) -> None:
-    """Refuse the options the minimum-activity rule fails whatever happens (D232).
-
-    Every crash restores a checkpoint of its own phase, so each crash needs one of the
-    ``--checkpoints`` before it; with fewer the drill would publish more than asked.
-
-    Raises:
-        typer.Exit: With exit code 2, after one line.
-    """
-    if checkpoints < MIN_CHECKPOINTS or crashes < MIN_CRASHES:
-        usage_error(
-            f"--checkpoints {checkpoints} --crashes {crashes} can never pass: the drill proves "
-            f"nothing with fewer than {MIN_CHECKPOINTS} checkpoints and {MIN_CRASHES} crashes"
-        )
-    if checkpoints < crashes:
-        usage_error(
-            f"--checkpoints {checkpoints} is fewer than --crashes {crashes}: every crash "
-            "restores a checkpoint taken since the one before"
-        )
-
-
-MODEL_DTYPES = ("float64", "float32", "bfloat16")
-
-
-def refuse_an_engine_that_cannot_run(engine: str, model: Path | None, dtype: str) -> None:
-    """Refuse an unknown engine, one whose packages are missing, or a model that is not there.
-
-    Raises:
-        typer.Exit: With exit code 2, after one line.
-    """
-    try:
-        load_engine_factory(engine)
-    except EngineError as exc:
-        usage_error(str(exc))
-    if dtype not in MODEL_DTYPES:
-        usage_error(f"unknown dtype {dtype!r}; known: {', '.join(MODEL_DTYPES)}")
-    if engine == DEFAULT_ENGINE and model is not None:
-        usage_error("--model needs a model engine (--engine transformers or vllm)")
-    if model is not None and not (model / "config.json").is_file():
-        usage_error(f"--model {model} holds no config.json (midflight model tiny DIR builds one)")
 
 
 def register(app: typer.Typer) -> None:
@@ -282,9 +232,18 @@ def register(app: typer.Typer) -> None:
                 "last checkpoint's timeline there (see midflight trace).",
             ),
         ] = None,
+        checkpoint_store: Annotated[
+            str,
+            typer.Option(
+                metavar="STORE",
+                help="Where the run keeps its checkpoints: disk (the run directory), s3 (a "
+                "local S3 API server the drill starts) or s3://bucket/prefix (AWS_* variables).",
+            ),
+        ] = DISK,
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
+        checkpoint_store = refuse_a_store_that_cannot_run(checkpoint_store, sequences)
         if fault is not None and fault not in FAULTS:
             usage_error(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:
@@ -322,6 +281,7 @@ def register(app: typer.Typer) -> None:
             model=None if model is None else str(model.resolve()),
             dtype=dtype,
             trace_dir=None if trace_dir is None else str(trace_dir.resolve()),
+            checkpoint_store=checkpoint_store,
         )
         if matrix is not None:
             # Matrix cells run one crash each and no restart-only share (their own crash plan).
@@ -384,6 +344,11 @@ def register(app: typer.Typer) -> None:
                 console.print(
                     f"spans in {figures.values['trace_dir']}; timeline: {timeline}", markup=False
                 )
+            console.print(
+                f"checkpoints in {figures.values['checkpoint_store']} "
+                f"({figures.values['checkpoint_objects']} objects)",
+                markup=False,
+            )
             console.print(
                 "[green]PASS[/green]" if not failures else "[red]FAIL[/red]: " + "; ".join(failures)
             )

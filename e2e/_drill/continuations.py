@@ -27,6 +27,7 @@ from participants import FileTokenStagingStore, read_participant_checkpoint, reb
 from protocols import EpisodeId, StagedCallRecord
 
 from .._servers.evidence import read_evidence
+from .store import model_shares
 
 
 @dataclass(frozen=True)
@@ -62,12 +63,12 @@ def _split(record: StagedCallRecord) -> tuple[list[int], list[int]]:
     return prompt, generated
 
 
-def cut_continuations(checkpoint_dir: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+def cut_continuations(checkpoint_dir: Path | str) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """(target capture key, continuation) of every generation cut a checkpoint's model records
     hand to the restored attempt."""
-    for manifest in (checkpoint_dir / "gym" / "model").glob("*/manifest.json"):
+    for location in model_shares(checkpoint_dir):
         share = read_participant_checkpoint(
-            manifest.parent, kind="model", instance=manifest.parent.name
+            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
         )
         for record in share.records:
             target = EpisodeId.model_validate(record["episode_id"]).next_attempt().capture_key
@@ -81,7 +82,7 @@ def _cut_keys(driver: Sequence[Mapping[str, Any]]) -> dict[tuple[str, str], list
     keys: dict[tuple[str, str], list[str]] = {}
     for restore in driver:
         if restore.get("event") == "restore":
-            for target, continuation in cut_continuations(Path(restore["checkpoint_dir"])):
+            for target, continuation in cut_continuations(restore["checkpoint_dir"]):
                 source = continuation["source_model_call_id"]
                 keys[(target, source)] = list(continuation["staging_keys"])
     return keys

@@ -20,7 +20,7 @@ import httpx
 from coordinator import (
     Coordinator,
     PrepareResult,
-    checkpoint_directory,
+    checkpoint_location,
     discover,
     publish_checkpoint,
     read_latest,
@@ -93,7 +93,7 @@ class ControlSession:
         return await (await self.coordinator()).prepare(checkpoint_id, deadline)
 
     async def commit(
-        self, checkpoint_id: str, deadline: float, directory: Path, episodes: Sequence[EpisodeId]
+        self, checkpoint_id: str, deadline: float, directory: str, episodes: Sequence[EpisodeId]
     ) -> CommitOutcome:
         """Commit the scope on every participant."""
         coordinator = await self.coordinator()
@@ -105,7 +105,7 @@ class ControlSession:
         await (await self.coordinator()).resume(checkpoint_id, deadline)
 
     async def restore(
-        self, checkpoint_id: str, deadline: float, directory: Path, episodes: Sequence[EpisodeId]
+        self, checkpoint_id: str, deadline: float, directory: str, episodes: Sequence[EpisodeId]
     ) -> list[str]:
         """Restore everywhere (all or nothing); the environment's restored keys."""
         coordinator = await self.coordinator()
@@ -127,7 +127,7 @@ class ControlSession:
 
     async def publish(
         self,
-        root: Path,
+        root: Path | str,
         checkpoint_id: str,
         commit: CommitOutcome,
         continued: Sequence[EpisodeId],
@@ -149,9 +149,9 @@ class ControlSession:
         )
 
     @staticmethod
-    def checkpoint_dir(root: Path, checkpoint_id: str) -> Path:
-        """Where a checkpoint of this run is committed."""
-        return checkpoint_directory(root, checkpoint_id)
+    def checkpoint_dir(root: Path | str, checkpoint_id: str) -> str:
+        """Where a checkpoint of this run is committed: a directory, or an ``s3://`` URL."""
+        return checkpoint_location(root, checkpoint_id)
 
     async def _status(self, url: str) -> dict[str, Any]:
         reply = await self._http.get(url + f"{CONTROL_PREFIX}/status", headers=self._auth)
@@ -198,7 +198,7 @@ class ControlSession:
         return left
 
     @staticmethod
-    async def read_latest(root: Path) -> dict[str, Any]:
+    async def read_latest(root: Path | str) -> dict[str, Any]:
         """The checkpoint ``LATEST`` points at, with its directory.
 
         Raises:
@@ -208,5 +208,5 @@ class ControlSession:
         if manifest is None:
             raise FileNotFoundError(f"no published checkpoint under {root}")
         data: dict[str, Any] = manifest.model_dump(mode="json")
-        data["checkpoint_dir"] = str(checkpoint_directory(root, manifest.checkpoint_id))
+        data["checkpoint_dir"] = checkpoint_location(root, manifest.checkpoint_id)
         return data

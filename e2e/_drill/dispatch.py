@@ -35,6 +35,8 @@ class RolloutDispatcher:
 
     def __init__(self, root: Path, cluster: Cluster, plan: DriverPlan, token: str) -> None:
         self.root = root
+        self.checkpoints_at: Path | str = plan.checkpoint_root or root
+        """Where the checkpoints are: the run root, or the ``s3://`` root the plan names."""
         self.cluster = cluster
         self.plan = plan
         self.token = token

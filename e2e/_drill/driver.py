@@ -13,7 +13,6 @@ and ``done``.
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import anyio
 import anyio.lowlevel
 
 from coordinator import CheckpointTrace, PrepareResult, checkpoint_trace
-from protocols import EpisodeId
+from protocols import EpisodeId, open_store
 
 from .._servers.cluster import read_cluster
 from .._servers.evidence import read_evidence
@@ -33,6 +32,11 @@ from .probes import ResourcesProbe, send_probes
 CUT_RETRIES = 6
 """Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
 D232); the last try is published whatever it carries."""
+
+
+def remove_checkpoint(location: str) -> None:
+    """Remove an abandoned, unpublished checkpoint: its directory, or its objects."""
+    open_store(location).delete_tree("")
 
 
 def _cuts_taken(prepared: PrepareResult) -> int:
@@ -65,7 +69,7 @@ class Driver(RolloutDispatcher):
     async def _checkpoint(
         self, checkpoint_id: str, traced: CheckpointTrace, block: float | None, need_cut: bool
     ) -> bool:
-        directory = self.control.checkpoint_dir(self.root, checkpoint_id)
+        directory = self.control.checkpoint_dir(self.checkpoints_at, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
         scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
         prepared = await self.control.prepare(checkpoint_id, deadline)
@@ -111,7 +115,7 @@ class Driver(RolloutDispatcher):
         # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
         if need_cut and not self.last_cuts and commit.environment_episode_ids():
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
-            await anyio.to_thread.run_sync(shutil.rmtree, directory, True)
+            await anyio.to_thread.run_sync(remove_checkpoint, directory)
             await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
             self.abandoned += 1
             return False
@@ -126,7 +130,12 @@ class Driver(RolloutDispatcher):
             accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)
         )
         await self.control.publish(
-            self.root, checkpoint_id, commit, continued, state.to_json(), traced.traceparent
+            self.checkpoints_at,
+            checkpoint_id,
+            commit,
+            continued,
+            state.to_json(),
+            traced.traceparent,
         )
         traced.record(rollouts=len(continued))
         await self.log(
@@ -147,7 +156,7 @@ class Driver(RolloutDispatcher):
     # ------------------------------------------------------------------ recovery
     async def recover(self) -> list[tuple[str, int]]:
         """Restore from LATEST; return the (rollout, attempt) pairs to dispatch first."""
-        latest = await self.control.read_latest(self.root)
+        latest = await self.control.read_latest(self.checkpoints_at)
         self.state = ControllerState.from_json(latest["controller_state"])
         restarts = self.restarts_of(latest["checkpoint_id"])
         continued = [EpisodeId.model_validate(e) for e in latest["continued"]]
@@ -157,7 +166,7 @@ class Driver(RolloutDispatcher):
             restored = await self.control.restore(
                 restore_id,
                 time.time() + DEADLINE_SECONDS,
-                Path(latest["checkpoint_dir"]),
+                latest["checkpoint_dir"],
                 continued,
             )
             await self.control.resume(restore_id, time.time() + DEADLINE_SECONDS)

@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import CHECKPOINTS_SUBDIR, read_latest, verify_checkpoint
+from coordinator import checkpoint_location, read_latest, verify_checkpoint
 from participants import KILL_BOUNDARIES, read_kill_announcements
 from participants.testing import KILL_FILE_ENV, KILL_POINT_ENV, TEST_HOOKS_ENV
 
@@ -29,6 +29,7 @@ from .._servers.evidence import EvidenceLog, read_evidence
 from .driver_process import DriverProcess
 from .oracle import ERROR_FIGURES, RolloutOutcome, compute_figures, rollout_outcomes
 from .run import DrillOptions, run_cluster
+from .store import DrillStore, drill_store
 
 SERVERS: Final = tuple(
     DEFAULT_NAMES[role] for role in ("environment", "model", "agent", "resources")
@@ -59,6 +60,12 @@ class MatrixCell:
     detail: str
 
 
+PUBLICATION_BOUNDARIES: Final = frozenset(
+    {"records-written", "manifests-published", "checkpoint-json-written"}
+)
+"""Where a checkpoint's files or objects are written: the cells ``publication`` names."""
+
+
 def full_matrix() -> list[tuple[str, str]]:
     """Every (process, boundary) a process can reach: the controller and each server."""
     cells: list[tuple[str, str]] = []
@@ -71,7 +78,8 @@ def full_matrix() -> list[tuple[str, str]]:
 
 
 def parse_cells(text: str) -> list[tuple[str, str]]:
-    """``killed:boundary,…`` → cells; ``small`` and ``full`` name the built-in sets.
+    """``killed:boundary,…`` → cells; ``small``, ``publication`` and ``full`` name the built-in
+    sets (``publication``: every cell at a boundary where the checkpoint is written).
 
     Raises:
         ValueError: An unknown set, process, boundary, or a pair no process can reach.
@@ -80,14 +88,16 @@ def parse_cells(text: str) -> list[tuple[str, str]]:
         return list(SMALL_MATRIX)
     if text == "full":
         return full_matrix()
+    if text == "publication":
+        return [cell for cell in full_matrix() if cell[1] in PUBLICATION_BOUNDARIES]
     reachable = set(full_matrix())
     cells: list[tuple[str, str]] = []
     for item in (part.strip() for part in text.split(",")):
         killed, _, boundary = item.partition(":")
         if (killed, boundary) not in reachable:
             raise ValueError(
-                f"no process reaches {item!r}: use small, full or killed:boundary with killed "
-                f"in {[CONTROLLER, *SERVERS]} and boundary in {list(KILL_BOUNDARIES)}"
+                f"no process reaches {item!r}: use small, publication, full or killed:boundary "
+                f"with killed in {[CONTROLLER, *SERVERS]} and boundary in {list(KILL_BOUNDARIES)}"
             )
         cells.append((killed, boundary))
     return cells
@@ -101,7 +111,7 @@ def occurrence_of(boundary: str) -> int:
     return 1 if boundary == "retire-partly-applied" else 2
 
 
-def fully_published(root: Path) -> list[str]:
+def fully_published(root: Path, checkpoints_at: Path | str | None = None) -> list[str]:
     """Checkpoints whose publication finished, oldest first.
 
     Fully published means the controller logged it after ``LATEST`` moved (its ``checkpoint``
@@ -116,13 +126,13 @@ def fully_published(root: Path) -> list[str]:
     return [
         checkpoint_id
         for checkpoint_id in logged
-        if not verify_checkpoint(root / CHECKPOINTS_SUBDIR / checkpoint_id)
+        if not verify_checkpoint(checkpoint_location(checkpoints_at or root, checkpoint_id))
     ]
 
 
-def _latest_readable(root: Path) -> str:
+def _latest_readable(checkpoints_at: Path | str) -> str:
     try:
-        manifest = read_latest(root)
+        manifest = read_latest(checkpoints_at)
     except Exception as exc:  # the very thing a red cell reports
         return f"unreadable ({type(exc).__name__}: {exc})"
     return manifest.checkpoint_id if manifest else "none"
@@ -137,8 +147,12 @@ def run_cell(
     baseline: Future[dict[str, RolloutOutcome]],
     token: str,
     on_line: Callable[[str], None],
+    store: DrillStore | None = None,
 ) -> MatrixCell:
-    """Run one cell in ``root`` and judge it against the baseline once that is ready."""
+    """Run one cell in ``root`` (its checkpoints in ``store``, the run directory by default) and
+    judge it against the baseline once that is ready."""
+    store = store or DrillStore()
+    checkpoints_at = store.location(root)
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     kill_file = root / "evidence" / "kill-points.jsonl"
@@ -147,6 +161,7 @@ def run_cell(
         TEST_HOOKS_ENV: "1",
         KILL_POINT_ENV: f"{killed}:{boundary}@{occurrence_of(boundary)}",
         KILL_FILE_ENV: str(kill_file),
+        **store.env,
     }
     if options.fault:
         env["MIDFLIGHT_FAULT"] = options.fault
@@ -159,6 +174,7 @@ def run_cell(
             "resources": {"mode": options.resources_mode, "verify": options.verify},
         },
         env=env,
+        checkpoint_root=store.root_of(root),
     )
     expected: list[tuple[float, str | None]] = []  # crash time → the checkpoint to restore
     problems: list[str] = []
@@ -172,6 +188,7 @@ def run_cell(
                 "crash_after": phase == 0,
                 "concurrency": options.concurrency,
                 "fault": None,
+                "checkpoint_root": store.root_of(root),
             }
             word = "crash-point" if phase == 0 else "done"
             driver = DriverProcess(root, supervisor.cluster_path, plan, env)
@@ -192,15 +209,17 @@ def run_cell(
                 problems.append(f"phase {phase}: {outcome}")
                 break
             supervisor.kill_all()
-            published = fully_published(root)
+            published = fully_published(root, checkpoints_at)
             crash_t = time.time()
             expected.append((crash_t, published[-1] if published else None))
             evidence.append({"event": "crash", "phase": phase, "t": crash_t, "cause": outcome})
-            on_line(f"crash {phase + 1}: every server SIGKILLed; LATEST {_latest_readable(root)}")
+            on_line(
+                f"crash {phase + 1}: every server SIGKILLed; LATEST {_latest_readable(checkpoints_at)}"
+            )
             supervisor.restart_all()
         else:
             problems.append(f"the run did not finish in {MAX_PHASES} controller incarnations")
-    return _judge(root, options, killed, boundary, baseline, expected, problems)
+    return _judge(root, checkpoints_at, options, (killed, boundary), baseline, expected, problems)
 
 
 def _watch(
@@ -229,13 +248,14 @@ def _watch(
 
 def _judge(
     root: Path,
+    checkpoints_at: Path | str,
     options: DrillOptions,
-    killed: str,
-    boundary: str,
+    cell: tuple[str, str],
     baseline: Future[dict[str, RolloutOutcome]],
     expected: Sequence[tuple[float, str | None]],
     problems: list[str],
 ) -> MatrixCell:
+    killed, boundary = cell
     announcements = [
         a
         for a in read_kill_announcements(root / "evidence" / "kill-points.jsonl")
@@ -255,9 +275,12 @@ def _judge(
                 f"restored {restore['checkpoint_id']}, the last fully published was {wanted}"
             )
     for restore in restores:
-        problems += verify_checkpoint(Path(restore["checkpoint_dir"]))
+        problems += verify_checkpoint(restore["checkpoint_dir"])
     figures = compute_figures(
-        root, baseline.result(timeout=BASELINE_WAIT_SECONDS), rollouts=options.rollouts
+        root,
+        baseline.result(timeout=BASELINE_WAIT_SECONDS),
+        rollouts=options.rollouts,
+        checkpoints_at=checkpoints_at,
     ).values
     problems += [f"{name} = {figures[name]}" for name in ERROR_FIGURES if figures.get(name)]
     if not problems:
@@ -284,7 +307,19 @@ def run_matrix(
     its own ports and run root): a cluster spends most of its time starting processes.
     """
     token = secrets.token_urlsafe(24)
+    with drill_store(options.checkpoint_store) as store:
+        return _run_cells(cells, options, work, on_line, jobs, token, store)
 
+
+def _run_cells(
+    cells: Sequence[tuple[str, str]],
+    options: DrillOptions,
+    work: Path,
+    on_line: Callable[[str], None],
+    jobs: int,
+    token: str,
+    store: DrillStore,
+) -> list[MatrixCell]:
     def baseline() -> dict[str, RolloutOutcome]:
         run_cluster(
             work / "baseline",
@@ -307,6 +342,7 @@ def run_matrix(
                 baseline=outcomes,
                 token=token,
                 on_line=lambda line: on_line(f"{name}: {line}"),
+                store=store,
             )
         except Exception as exc:  # a cell that cannot even run is a red cell, not a crash
             cell = MatrixCell(killed, boundary, False, f"{type(exc).__name__}: {exc}")

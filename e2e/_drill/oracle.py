@@ -19,6 +19,7 @@ from protocols import EpisodeId
 
 from .._servers.evidence import read_evidence
 from .continuations import ContinuedCall, continued_calls, cut_continuations, prefix_mismatches
+from .store import model_shares, published_checkpoints
 from .tokens_of import TokenSequenceError, token_sequence
 
 ERROR_FIGURES: Final = (
@@ -69,13 +70,13 @@ def rollout_outcomes(root: Path) -> dict[str, RolloutOutcome]:
 
 
 def _delivered_at(
-    checkpoint_dir: Path, egress_by_call: Mapping[str, Mapping[str, Any]]
+    checkpoint_dir: Path | str, egress_by_call: Mapping[str, Mapping[str, Any]]
 ) -> set[tuple[str, str]]:
     """(rollout, request digest) of every call the checkpoint's model records list as delivered."""
     delivered: set[tuple[str, str]] = set()
-    for manifest in (checkpoint_dir / "gym" / "model").glob("*/manifest.json"):
+    for location in model_shares(checkpoint_dir):
         share = read_participant_checkpoint(
-            manifest.parent, kind="model", instance=manifest.parent.name
+            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
         )
         for record in share.records:
             rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
@@ -86,7 +87,7 @@ def _delivered_at(
     return delivered
 
 
-def restored_cuts(checkpoint_dir: Path) -> dict[str, int]:
+def restored_cuts(checkpoint_dir: Path | str) -> dict[str, int]:
     """Target capture key → generated tokens of the durable cut a restore hands to it."""
     return {
         target: int(continuation["prefix_token_count"])
@@ -106,7 +107,7 @@ def extra_tokens_generated(
     """
     extra = 0
     for restore in restores:
-        for target, prefix in restored_cuts(Path(restore["checkpoint_dir"])).items():
+        for target, prefix in restored_cuts(restore["checkpoint_dir"]).items():
             if target not in restore.get("restored", []):
                 continue  # nothing was restored (a rerun from input): no cut was handed over
             first = next(
@@ -221,7 +222,7 @@ def repeated_model_calls(
     """Count the model calls executed again after a restore (admit or egress, once each)."""
     egress_by_call = {e["model_call_id"]: e for e in policy if e.get("event") == "egress"}
     delivered = [
-        _delivered_at(Path(restore["checkpoint_dir"]), egress_by_call)
+        _delivered_at(restore["checkpoint_dir"], egress_by_call)
         for restore in driver
         if restore.get("event") == "restore"
     ]
@@ -292,12 +293,14 @@ def compute_figures(
     *,
     rollouts: int,
     continued: Sequence[ContinuedCall] | None = None,
+    checkpoints_at: Path | str | None = None,
 ) -> Figures:
     """Every figure of one drill run against its baseline.
 
     Args:
         continued: The run's continued calls when the caller already rebuilt them
             (:func:`continued_calls`, which reads the staging store); rebuilt here otherwise.
+        checkpoints_at: The run's checkpoint root when it is not the run directory (S3).
     """
     driver = read_evidence(run_root / "evidence" / "driver.jsonl")
     policy = read_evidence(run_root / "evidence" / "policy.jsonl")
@@ -335,8 +338,7 @@ def compute_figures(
     leftover = sum(int(v) for v in leftover_detail.values() if isinstance(v, int | bool)) + (
         0 if final else 1
     )
-    checkpoints_dir = run_root / "checkpoints"
-    published = sorted(p.parent.name for p in checkpoints_dir.glob("*/checkpoint.json"))
+    published = published_checkpoints(run_root if checkpoints_at is None else checkpoints_at)
     token_mismatches = sum(
         1
         for rollout, outcome in outcomes.items()

@@ -25,6 +25,8 @@ class DriverPlan:
     commit_delay_s: float = 0.3
     restart_only_rollouts: list[str] = field(default_factory=list)
     restart_environment: str = ""
+    checkpoint_root: str = ""
+    """Where checkpoints are kept when not in the run root: an ``s3://`` URL."""
 
     @classmethod
     def load(cls, path: Path) -> DriverPlan:

@@ -25,7 +25,8 @@ from .._servers.evidence import EvidenceLog
 from .._trace.setup import TRACE_DIR_ENV
 from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
-from .oracle import Figures, compute_figures, rollout_outcomes
+from .oracle import Figures, RolloutOutcome, compute_figures, rollout_outcomes
+from .store import DISK, DrillStore, drill_store
 from .trace_figures import trace_figures
 
 FAULTS = {
@@ -87,6 +88,8 @@ class DrillOptions:
     """``--dtype``: a model engine's floating-point type."""
     trace_dir: str | None = None
     """``--trace-dir``: every process of the run (not the baseline's) appends its spans there."""
+    checkpoint_store: str = DISK
+    """``--checkpoint-store``: ``disk``, ``s3`` (a local S3 server) or ``s3://bucket/prefix``."""
 
     @property
     def model_engine(self) -> bool:
@@ -152,12 +155,14 @@ def run_cluster(
     token: str,
     on_line: Callable[[str], None],
     trace_dir: Path | None = None,
+    store: DrillStore | None = None,
 ) -> None:
     """Run every driver phase on one cluster, crashing between phases (traced into
-    ``trace_dir`` when given)."""
+    ``trace_dir`` when given; its checkpoints in ``store``, the run directory by default)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
-    env = {"MIDFLIGHT_CONTROL_TOKEN": token}
+    store = store or DrillStore()
+    env = {"MIDFLIGHT_CONTROL_TOKEN": token, **store.env}
     if options.fault:
         env["MIDFLIGHT_FAULT"] = options.fault
     if trace_dir is not None:
@@ -190,6 +195,7 @@ def run_cluster(
         },
         env=env,
         extra_servers=extra,
+        checkpoint_root=store.root_of(root),
     )
     with Supervisor(root, token, supervisor_options) as supervisor:
         for phase in range(crashes + 1):
@@ -204,6 +210,7 @@ def run_cluster(
                 "fault": options.fault,
                 "restart_only_rollouts": restart_only,
                 "restart_environment": RESTART_ENVIRONMENT,
+                "checkpoint_root": store.root_of(root),
             }
             on_line(f"phase {phase + 1}/{crashes + 1}")
             driver = DriverProcess(root, supervisor.cluster_path, plan, env)
@@ -309,21 +316,45 @@ def run_drill(
     directory = baseline_dir if baseline_dir is not None else work / "baseline"
     baseline_wall = _baseline(options, directory, baseline_dir is not None, token, on_line)
     baseline = rollout_outcomes(directory)
+    with drill_store(options.checkpoint_store) as store:
+        if store.local is not None:
+            on_line(f"checkpoints on a local S3 server at {store.local.endpoint}")
+        return _run_and_judge(options, work, on_line, token, store, baseline, baseline_wall)
+
+
+def _run_and_judge(
+    options: DrillOptions,
+    work: Path,
+    on_line: Callable[[str], None],
+    token: str,
+    store: DrillStore,
+    baseline: dict[str, RolloutOutcome],
+    baseline_wall: float,
+) -> Figures:
+    """The run with crashes, and its figures against the baseline (the store still up)."""
+    run = work / "run"
     started = time.monotonic()
     run_cluster(
-        work / "run",
+        run,
         options,
         crashes=options.crashes,
         checkpoints=_phase_checkpoints(options),
         token=token,
         on_line=on_line,
         trace_dir=None if options.trace_dir is None else Path(options.trace_dir),
+        store=store,
     )
     on_line("computing the figures from evidence")
-    continued = continued_calls(work / "run")  # read from the store once, for both checks
+    continued = continued_calls(run)  # read from the store once, for both checks
     figures = compute_figures(
-        work / "run", baseline, rollouts=options.rollouts, continued=continued
+        run,
+        baseline,
+        rollouts=options.rollouts,
+        continued=continued,
+        checkpoints_at=store.location(run),
     )
+    figures.values["checkpoint_store"] = store.root_of(run) or str(run)
+    figures.values["checkpoint_objects"] = store.object_count(run)
     if options.model_engine:
         assert options.model is not None
         figures.values.update(
@@ -336,5 +367,5 @@ def run_drill(
     if options.model_engine:
         figures.values["dtype"] = options.dtype
     if options.trace_dir is not None:
-        figures.values.update(trace_figures(Path(options.trace_dir), work / "run"))
+        figures.values.update(trace_figures(Path(options.trace_dir), store.location(run)))
     return figures

@@ -13,37 +13,41 @@ from typing import Any
 from pydantic import ValidationError
 
 from coordinator import CHECKPOINT_FILE, CHECKPOINTS_SUBDIR, CheckpointManifest
-from protocols import COLLECTION_RESTORE_SPAN, SPAN_PREFIX, attribute
+from protocols import COLLECTION_RESTORE_SPAN, SPAN_PREFIX, attribute, open_store
 
 from .._trace.checkpoints import timeline_file, trace_directory_of
 from .._trace.setup import SERVER_ATTRIBUTE
 from .._trace.spans_file import read_span_lines
+from .store import published_checkpoints
 
 _KIND = attribute("participant_kind")
 
 
-def published_traces(run: Path) -> dict[str, str]:
+def published_traces(checkpoints_at: Path | str) -> dict[str, str]:
     """Checkpoint id → the trace id its ``checkpoint.json`` stores, for every published one."""
+    store = open_store(checkpoints_at)
     traces: dict[str, str] = {}
-    for path in sorted((run / CHECKPOINTS_SUBDIR).glob(f"*/{CHECKPOINT_FILE}")):
+    for checkpoint_id in published_checkpoints(checkpoints_at):
+        key = f"{CHECKPOINTS_SUBDIR}/{checkpoint_id}/{CHECKPOINT_FILE}"
         try:
-            stored = CheckpointManifest.model_validate_json(path.read_bytes()).traceparent
+            stored = CheckpointManifest.model_validate_json(store.read(key)).traceparent
         except (OSError, ValidationError):
             continue
         if stored is not None and stored.count("-") == 3:
-            traces[path.parent.name] = stored.split("-")[1]
+            traces[checkpoint_id] = stored.split("-")[1]
     return traces
 
 
-def trace_figures(trace_dir: Path, run: Path) -> dict[str, Any]:
-    """The trace figures of a drill run traced into ``trace_dir``.
+def trace_figures(trace_dir: Path, checkpoints_at: Path | str) -> dict[str, Any]:
+    """The trace figures of a drill run traced into ``trace_dir`` (its checkpoints under
+    ``checkpoints_at``: the run directory, or its ``s3://`` root).
 
     ``trace_checkpoints_whole`` counts the published checkpoints whose trace holds spans from
     every participant server that took part in any checkpoint; ``trace_restores_linked`` the
     restore traces linked to a published checkpoint's trace.
     """
     lines = read_span_lines(trace_dir)
-    published = published_traces(run)
+    published = published_traces(checkpoints_at)
     servers_by_trace: dict[str, set[str]] = {}
     participants: set[str] = set()
     linked = 0

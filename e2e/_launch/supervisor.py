@@ -59,6 +59,8 @@ class SupervisorOptions:
         python: The interpreter that runs ``-m e2e serve``.
         env: Extra environment of every server (the drill's ``MIDFLIGHT_FAULT``, say).
         extra_servers: More servers, started in the given order after every role.
+        checkpoint_root: Where the servers keep checkpoints: an ``s3://bucket/prefix`` URL, or
+            (empty) the run root itself.
     """
 
     roles: tuple[Role, ...] = ROLES
@@ -68,6 +70,7 @@ class SupervisorOptions:
     python: str = sys.executable
     env: Mapping[str, str] = field(default_factory=dict)
     extra_servers: tuple[ExtraServer, ...] = ()
+    checkpoint_root: str = ""
 
     def __post_init__(self) -> None:
         unknown = set(self.roles) - set(ROLES)
@@ -104,6 +107,7 @@ class Supervisor:
         self.token = token
         self.options = options or SupervisorOptions()
         self.cluster_path = self.root / CLUSTER_FILE
+        self.checkpoint_root = self.options.checkpoint_root or str(self.root)
         self.generation = -1
         self.processes: dict[str, ServerProcess] = {}
         self.started_pgids: list[int] = []
@@ -129,15 +133,23 @@ class Supervisor:
         (self.root / LOGS_SUBDIR).mkdir(parents=True, exist_ok=True)
         entries: list[ServerEntry] = []
         # A fresh file: a restarted server must never find its peers' dead URLs.
-        write_cluster(self.cluster_path, Cluster(self.root, ()))
+        write_cluster(
+            self.cluster_path, Cluster(self.root, (), self.options.checkpoint_root or None)
+        )
         try:
             for role in self.roles:
                 entries.append(self._start(role))
-                write_cluster(self.cluster_path, Cluster(self.root, tuple(entries)))
+                write_cluster(
+                    self.cluster_path,
+                    Cluster(self.root, tuple(entries), self.options.checkpoint_root or None),
+                )
             for extra in self.options.extra_servers:
                 view = self._peer_view(extra, entries)
                 entries.append(self._start(extra.role, extra.name, extra.options, view))
-                write_cluster(self.cluster_path, Cluster(self.root, tuple(entries)))
+                write_cluster(
+                    self.cluster_path,
+                    Cluster(self.root, tuple(entries), self.options.checkpoint_root or None),
+                )
         except BaseException:
             self.kill_all()
             raise
@@ -153,7 +165,9 @@ class Supervisor:
         first = [e for e in entries if e.name in chosen and extra.peers.get(e.role) == e.name]
         view = self.root / f"cluster-{extra.name}.toml"
         rest = [e for e in entries if e not in first]
-        write_cluster(view, Cluster(self.root, tuple(first + rest)))
+        write_cluster(
+            view, Cluster(self.root, tuple(first + rest), self.options.checkpoint_root or None)
+        )
         return view
 
     def _start(
@@ -180,7 +194,7 @@ class Supervisor:
             "--name",
             name,
             # The checkpoints of this run root are the only ones its servers may touch (D240).
-            *([] if role == "worker" else ["--checkpoint-root", str(self.root)]),
+            *([] if role == "worker" else ["--checkpoint-root", self.checkpoint_root]),
             *option_flags(options),
         ]
         process = ServerProcess(

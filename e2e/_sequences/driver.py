@@ -49,7 +49,7 @@ class CheckedControl(ControlSession):
         self._driver = driver
 
     async def commit(
-        self, checkpoint_id: str, deadline: float, directory: Path, episodes: Sequence[EpisodeId]
+        self, checkpoint_id: str, deadline: float, directory: str, episodes: Sequence[EpisodeId]
     ) -> CommitOutcome:
         outcome = await super().commit(checkpoint_id, deadline, directory, episodes)
         scope = {episode.capture_key for episode in episodes}

@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from typer.testing import CliRunner
@@ -20,20 +18,9 @@ from protocols import open_store
 from tests.coordinator.test_publish import _commit_and_publish, committed
 
 from .test_cmd_control import cli, served
+from .test_cmd_retention import run
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-def run(*args: str) -> tuple[int, Any, str]:
-    result = CliRunner().invoke(build_app(), list(args))
-    if "--json" in args:
-        return result.exit_code, json.loads(result.stdout.strip().splitlines()[-1]), result.output
-    return result.exit_code, None, result.output
 
 
 def one_line_usage_error(*args: str) -> str:

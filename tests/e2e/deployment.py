@@ -151,7 +151,7 @@ class Deployment:
 
     def checkpoint_dir(self, checkpoint_id: str) -> Path:
         """Where a checkpoint of this run is committed."""
-        return self.control.checkpoint_dir(self.root, checkpoint_id)
+        return Path(self.control.checkpoint_dir(self.root, checkpoint_id))
 
     async def checkpoint(
         self, checkpoint_id: str, scope: list[EpisodeId], *, resume: bool = True

@@ -82,19 +82,12 @@ class DrillStore:
         return len(open_store(self.location(run)).list_objects("checkpoints"))
 
 
-def below(location: Path | str, key: str) -> Path | str:
-    """``location/key``: a path below a directory, or a URL below an ``s3://`` location."""
-    if isinstance(location, str) and is_object_store_url(location):
-        return f"{location.rstrip('/')}/{key}"
-    return Path(location) / key
-
-
-def model_shares(checkpoint_dir: Path | str) -> list[Path | str]:
+def model_shares(checkpoint_dir: Path | str) -> list[str]:
     """The model servers' published shares of a checkpoint (a share without its manifest is a
     partial commit and left out)."""
     store = open_store(checkpoint_dir)
     return [
-        below(checkpoint_dir, f"gym/model/{instance}")
+        store.describe(f"gym/model/{instance}")
         for instance in store.subdirectories("gym/model")
         if store.exists(f"gym/model/{instance}/manifest.json")
     ]

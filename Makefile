@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 PYTEST_FLAGS ?=
 
-.PHONY: setup engine gpu-check drill demo test lint typecheck pytest docs docs-serve soak lock clean
+.PHONY: setup extras engine gpu-check drill demo test lint typecheck pytest docs docs-serve soak lock clean
 
 $(STAMP): pyproject.toml constraints.txt
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "midflight needs python3 >= 3.11, found " + sys.version.split()[0])'
@@ -18,15 +18,19 @@ $(STAMP): pyproject.toml constraints.txt
 
 setup: $(STAMP)
 
-## The extras the fast tier's tests need: the transformers engine (`engine`) and a local S3 API
-## server with the S3 client (`s3-local`).
-ENGINE_STAMP := $(VENV)/.extras-installed
+## The extras the fast tier's tests need: the transformers engine (`engine`), a local S3 API
+## server with the S3 client (`s3-local`), and Ray (`ray`). The stamp names the set, so a venv made
+## for an older set installs the new one.
+ENGINE_STAMP := $(VENV)/.extras-engine-s3-ray
 
 $(ENGINE_STAMP): $(STAMP)
-	@echo "installing the engine and s3-local extras (PyTorch CPU, transformers, obstore, moto) into $(VENV) (once; about 1 min)..."
-	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,engine,s3-local]'
+	@echo "installing the engine, s3-local and ray extras (PyTorch CPU, transformers, obstore, moto, Ray) into $(VENV) (once; about 2 min)..."
+	@$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[dev,engine,s3-local,ray]'
 	@touch $(ENGINE_STAMP)
 
+extras: $(ENGINE_STAMP)
+
+## The old name of `extras`.
 engine: $(ENGINE_STAMP)
 
 ## The main job: the crash-restore drill on its defaults (SIGKILLs real servers, proves exactly-once).

@@ -12,6 +12,8 @@
 - :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
   clean-up of what was published;
 - :class:`LedgerClient`: the client of a model server's capture-ledger routes;
+- :func:`discover_on_ray` / :func:`hosted_on_ray`: the participants hosted as named actors in a
+  Ray namespace (:class:`HostedServer`, answered by each actor's ``describe``);
 - :func:`checkpoint_trace`: one checkpoint as one OpenTelemetry trace, for a controller that
   drives the operations itself (:func:`checkpoint` opens it on its own).
 """
@@ -39,6 +41,7 @@ from ._publish import (
     read_checkpoint,
     read_latest,
 )
+from ._ray import DESCRIBE_METHOD, HostedServer, discover_on_ray, hosted_on_ray
 from ._retention import GcReport, collect_garbage, pin_checkpoint, unpin_checkpoint
 from ._tracing import CheckpointTrace, checkpoint_trace
 from ._verify import verify_checkpoint
@@ -46,6 +49,7 @@ from ._verify import verify_checkpoint
 __all__ = [
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_FILE",
+    "DESCRIBE_METHOD",
     "LATEST_FILE",
     "CheckpointManifest",
     "CheckpointOutcome",
@@ -55,6 +59,7 @@ __all__ = [
     "CoordinationError",
     "Coordinator",
     "GcReport",
+    "HostedServer",
     "LatestMovedError",
     "LedgerClient",
     "Member",
@@ -68,6 +73,8 @@ __all__ = [
     "checkpoint_trace",
     "collect_garbage",
     "discover",
+    "discover_on_ray",
+    "hosted_on_ray",
     "pin_checkpoint",
     "publish_checkpoint",
     "read_checkpoint",

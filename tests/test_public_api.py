@@ -93,6 +93,8 @@ PUBLIC = {
         # a run root on a store: the location to send, two publications that collide (D332)
         "CheckpointTakenError", "LatestMovedError", "PublicationConflictError",
         "checkpoint_location",
+        # the participants hosted on Ray, found from Ray (D338)
+        "DESCRIBE_METHOD", "HostedServer", "discover_on_ray", "hosted_on_ray",
     ],
     "e2e": [
         "build_app", "main",

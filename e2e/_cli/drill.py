@@ -28,6 +28,7 @@ from .drill_checks import (
     refuse_a_store_that_cannot_run,
     refuse_a_used_directory,
     refuse_an_engine_that_cannot_run,
+    refuse_hosting_that_cannot_run,
 )
 from .output import JsonOption, console, emit, error_console, usage_error
 
@@ -240,10 +241,19 @@ def register(app: typer.Typer) -> None:
                 "local S3 API server the drill starts) or s3://bucket/prefix (AWS_* variables).",
             ),
         ] = DISK,
+        on: Annotated[
+            str,
+            typer.Option(
+                metavar="HOST",
+                help="Where the servers run: local (a process group each) or ray (an actor "
+                "each, on a local Ray head the drill starts; crashes kill the actors' processes).",
+            ),
+        ] = "local",
         as_json: JsonOption = False,
     ) -> None:
         """Run rollouts through checkpoints and SIGKILLs and prove nothing was lost or repeated."""
         checkpoint_store = refuse_a_store_that_cannot_run(checkpoint_store, sequences)
+        on = refuse_hosting_that_cannot_run(on, matrix=matrix is not None, sequences=sequences)
         if fault is not None and fault not in FAULTS:
             usage_error(f"unknown fault {fault!r}; known: {sorted(FAULTS)}")
         if verify not in VERIFY_MODES:
@@ -282,6 +292,7 @@ def register(app: typer.Typer) -> None:
             dtype=dtype,
             trace_dir=None if trace_dir is None else str(trace_dir.resolve()),
             checkpoint_store=checkpoint_store,
+            on=on,
         )
         if matrix is not None:
             # Matrix cells run one crash each and no restart-only share (their own crash plan).
@@ -343,6 +354,12 @@ def register(app: typer.Typer) -> None:
                 timeline = figures.values.get("trace_timeline") or "none drawn"
                 console.print(
                     f"spans in {figures.values['trace_dir']}; timeline: {timeline}", markup=False
+                )
+            if figures.values.get("on") == "ray":
+                console.print(
+                    f"hosted on Ray: the crashes killed {figures.values['ray_processes_killed']} "
+                    f"processes; {figures.values['ray_left_running']} outlived the head",
+                    markup=False,
                 )
             console.print(
                 f"checkpoints in {figures.values['checkpoint_store']} "

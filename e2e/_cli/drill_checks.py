@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .._drill.hosting import ON_CHOICES, ray_available
 from .._drill.oracle import MIN_CHECKPOINTS, MIN_CRASHES
 from .._drill.store import DISK, LOCAL_S3, check_store_option, local_s3_available
 from .._worker.engines import DEFAULT_ENGINE, EngineError, load_engine_factory
@@ -83,3 +84,20 @@ def refuse_a_store_that_cannot_run(option: str, sequences: int) -> str:
     if store == LOCAL_S3 and not local_s3_available():
         usage_error("--checkpoint-store s3 needs moto: pip install 'midflight[s3-local]'")
     return store
+
+
+def refuse_hosting_that_cannot_run(on: str, *, matrix: bool, sequences: int) -> str:
+    """The ``--on`` option, checked: ``local``, or ``ray`` with Ray installed.
+
+    Raises:
+        typer.Exit: With exit code 2, after one line: an unknown value, ``ray`` without Ray,
+            or ``ray`` with the matrix or the sequence suites (they run local processes).
+    """
+    if on not in ON_CHOICES:
+        usage_error(f"--on {on!r}: choose one of {', '.join(ON_CHOICES)}")
+    if on == "ray":
+        if matrix or sequences:
+            usage_error("--on ray: the matrix and the sequence suites run local processes")
+        if not ray_available():
+            usage_error("--on ray needs Ray: pip install 'midflight[ray]'")
+    return on

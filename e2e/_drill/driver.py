@@ -19,13 +19,20 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 
-from coordinator import CheckpointTrace, PrepareResult, checkpoint_trace
+from coordinator import CheckpointTrace, PrepareResult, checkpoint_trace, hosted_on_ray
 from protocols import EpisodeId, open_store
 
-from .._servers.cluster import read_cluster
+from .._servers.cluster import (
+    DEFAULT_NAMES,
+    ROLES,
+    Cluster,
+    ServerEntry,
+    read_cluster,
+)
 from .._servers.evidence import read_evidence
 from .._trace.setup import configure_tracing
 from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
+from .hosting import RAY_NAMESPACE_ENV
 from .plan import ControllerState, DriverPlan, task_of
 from .probes import ResourcesProbe, send_probes
 
@@ -298,9 +305,24 @@ class Driver(RolloutDispatcher):
         self.say("done")
 
 
+def cluster_on_ray(root: Path, namespace: str, plan: DriverPlan) -> Cluster:
+    """The servers hosted in the Ray namespace, ordered as the supervisor's cluster file is:
+    by role in start-up order, each role's default server first."""
+    servers = hosted_on_ray(namespace)
+    entries = [
+        ServerEntry(s.name, s.role, s.url, dict(s.options)) for s in servers if s.role in ROLES
+    ]
+    entries.sort(key=lambda e: (ROLES.index(e.role), e.name != DEFAULT_NAMES[e.role], e.name))
+    return Cluster(root, tuple(entries), plan.checkpoint_root or None)
+
+
 def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
     """Run one driver incarnation (``midflight drill-driver``)."""
     token = os.environ["MIDFLIGHT_CONTROL_TOKEN"]
     configure_tracing("midflight-driver", server="driver")  # traced when the drill is
-    driver = Driver(root, read_cluster(cluster_path), DriverPlan.load(plan_path), token)
+    namespace = os.environ.get(RAY_NAMESPACE_ENV)
+    plan = DriverPlan.load(plan_path)
+    # On Ray, the controller finds the servers as a training controller would: from Ray.
+    cluster = read_cluster(cluster_path) if not namespace else cluster_on_ray(root, namespace, plan)
+    driver = Driver(root, cluster, plan, token)
     anyio.run(driver.run)

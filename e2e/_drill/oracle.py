@@ -31,8 +31,10 @@ ERROR_FIGURES: Final = (
     "extra_tokens_generated",
     "prefix_mismatches",
     "leftover",
+    "ray_left_running",
 )
-"""Any of these non-zero fails the drill."""
+"""Any of these non-zero fails the drill (``ray_left_running``: processes of the drill's Ray
+head that outlived it, on ``--on ray`` only)."""
 MIN_CHECKPOINTS: Final = 3
 MIN_CRASHES: Final = 2
 """Fewer published checkpoints or crashes than this, and a run proves too little (contract §6)."""
@@ -146,6 +148,9 @@ class Figures:
             reasons.append(f"only {v['checkpoints']} checkpoints (need {MIN_CHECKPOINTS})")
         if v["crashes"] < MIN_CRASHES:
             reasons.append(f"only {v['crashes']} crashes (need {MIN_CRASHES})")
+        killed = v.get("ray_processes_killed")
+        if v.get("on") == "ray" and (killed is None or len(killed) < v["crashes"] or 0 in killed):
+            reasons.append(f"a crash on Ray killed no process (killed per crash: {killed})")
         # A crash must bring rollouts back: restored, or (restart-only resources) run again.
         restarted = v.get("restarted_per_crash") or [0] * len(v["restored_per_crash"])
         if any(n + r == 0 for n, r in zip(v["restored_per_crash"], restarted, strict=False)):

@@ -25,6 +25,7 @@ from .._servers.evidence import EvidenceLog
 from .._trace.setup import TRACE_DIR_ENV
 from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
+from .hosting import ClusterHosting, DrillHosting, drill_hosting
 from .oracle import Figures, RolloutOutcome, compute_figures, rollout_outcomes
 from .store import DISK, DrillStore, drill_store
 from .trace_figures import trace_figures
@@ -90,6 +91,8 @@ class DrillOptions:
     """``--trace-dir``: every process of the run (not the baseline's) appends its spans there."""
     checkpoint_store: str = DISK
     """``--checkpoint-store``: ``disk``, ``s3`` (a local S3 server) or ``s3://bucket/prefix``."""
+    on: str = "local"
+    """``--on``: ``local`` (a process group per server) or ``ray`` (an actor per server)."""
 
     @property
     def model_engine(self) -> bool:
@@ -156,12 +159,15 @@ def run_cluster(
     on_line: Callable[[str], None],
     trace_dir: Path | None = None,
     store: DrillStore | None = None,
+    hosting: ClusterHosting | None = None,
 ) -> None:
     """Run every driver phase on one cluster, crashing between phases (traced into
-    ``trace_dir`` when given; its checkpoints in ``store``, the run directory by default)."""
+    ``trace_dir`` when given; its checkpoints in ``store``, the run directory by default; its
+    servers where ``hosting`` says, local processes by default)."""
     root.mkdir(parents=True, exist_ok=True)
     (root / "logs").mkdir(exist_ok=True)
     store = store or DrillStore()
+    hosting = hosting or ClusterHosting()
     env = {"MIDFLIGHT_CONTROL_TOKEN": token, **store.env}
     if options.fault:
         env["MIDFLIGHT_FAULT"] = options.fault
@@ -197,7 +203,7 @@ def run_cluster(
         extra_servers=extra,
         checkpoint_root=store.root_of(root),
     )
-    with Supervisor(root, token, supervisor_options) as supervisor:
+    with Supervisor(root, token, supervisor_options, host=hosting.host) as supervisor:
         for phase in range(crashes + 1):
             crash_after = phase < crashes
             plan = {
@@ -213,7 +219,7 @@ def run_cluster(
                 "checkpoint_root": store.root_of(root),
             }
             on_line(f"phase {phase + 1}/{crashes + 1}")
-            driver = DriverProcess(root, supervisor.cluster_path, plan, env)
+            driver = DriverProcess(root, supervisor.cluster_path, plan, {**env, **hosting.env})
             try:
                 word = "crash-point" if crash_after else "done"
                 if not driver.wait_for_progressing(word, options.phase_timeout_s, on_line):
@@ -226,6 +232,7 @@ def run_cluster(
                 driver.kill()
             if crash_after:
                 supervisor.kill_all()
+                hosting.crashed()
                 evidence.append({"event": "crash", "phase": phase, "t": time.time()})
                 on_line(f"crash {phase + 1}: every server SIGKILLed")
                 supervisor.restart_all()
@@ -254,7 +261,12 @@ def baseline_key(options: DrillOptions) -> dict[str, Any]:
 
 
 def _baseline(
-    options: DrillOptions, directory: Path, reuse: bool, token: str, on_line: Callable[[str], None]
+    options: DrillOptions,
+    directory: Path,
+    reuse: bool,
+    token: str,
+    on_line: Callable[[str], None],
+    hosting: DrillHosting,
 ) -> float:
     """Run the baseline into ``directory`` (or reuse a finished one); its wall time."""
     marker = directory / BASELINE_MARKER
@@ -270,14 +282,16 @@ def _baseline(
     if directory.exists():
         shutil.rmtree(directory)  # an unfinished baseline (no marker) is run again whole
     started = time.monotonic()
-    run_cluster(
-        directory,
-        DrillOptions(**{**asdict(options), "fault": None}),
-        crashes=0,
-        checkpoints=[0],
-        token=token,
-        on_line=lambda line: on_line(f"baseline: {line}"),
-    )
+    with hosting.cluster(directory) as cluster:
+        run_cluster(
+            directory,
+            DrillOptions(**{**asdict(options), "fault": None}),
+            crashes=0,
+            checkpoints=[0],
+            token=token,
+            on_line=lambda line: on_line(f"baseline: {line}"),
+            hosting=cluster,
+        )
     wall = round(time.monotonic() - started, 3)
     marker.write_text(json.dumps({"key": baseline_key(options), "wall_s": wall}))
     return wall
@@ -314,12 +328,18 @@ def run_drill(
     if options.model_engine and options.model is None:
         options = replace(options, model=str(build_drill_model(work / "model", on_line)))
     directory = baseline_dir if baseline_dir is not None else work / "baseline"
-    baseline_wall = _baseline(options, directory, baseline_dir is not None, token, on_line)
-    baseline = rollout_outcomes(directory)
-    with drill_store(options.checkpoint_store) as store:
-        if store.local is not None:
-            on_line(f"checkpoints on a local S3 server at {store.local.endpoint}")
-        return _run_and_judge(options, work, on_line, token, store, baseline, baseline_wall)
+    with drill_hosting(options.on, work, on_line) as hosting:
+        reuse = baseline_dir is not None
+        baseline_wall = _baseline(options, directory, reuse, token, on_line, hosting)
+        baseline = rollout_outcomes(directory)
+        with drill_store(options.checkpoint_store) as store:
+            if store.local is not None:
+                on_line(f"checkpoints on a local S3 server at {store.local.endpoint}")
+            figures = _run_and_judge(
+                options, work, on_line, token, store, baseline, baseline_wall, hosting
+            )
+    figures.values.update(hosting.figures())  # after the head is gone: what outlived it
+    return figures
 
 
 def _run_and_judge(
@@ -330,20 +350,23 @@ def _run_and_judge(
     store: DrillStore,
     baseline: dict[str, RolloutOutcome],
     baseline_wall: float,
+    hosting: DrillHosting,
 ) -> Figures:
     """The run with crashes, and its figures against the baseline (the store still up)."""
     run = work / "run"
     started = time.monotonic()
-    run_cluster(
-        run,
-        options,
-        crashes=options.crashes,
-        checkpoints=_phase_checkpoints(options),
-        token=token,
-        on_line=on_line,
-        trace_dir=None if options.trace_dir is None else Path(options.trace_dir),
-        store=store,
-    )
+    with hosting.cluster(run) as cluster:
+        run_cluster(
+            run,
+            options,
+            crashes=options.crashes,
+            checkpoints=_phase_checkpoints(options),
+            token=token,
+            on_line=on_line,
+            trace_dir=None if options.trace_dir is None else Path(options.trace_dir),
+            store=store,
+            hosting=cluster,
+        )
     on_line("computing the figures from evidence")
     continued = continued_calls(run)  # read from the store once, for both checks
     figures = compute_figures(

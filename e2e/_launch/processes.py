@@ -43,6 +43,7 @@ from participants import (
 )
 
 from .._servers.context import HOST, ServeContext, control_settings
+from .hosting import announce_listening, on_main_thread, serve_argv
 from .lifeline import Lifeline
 from .routing import ShardRouting
 from .sockets import bind_listening_socket
@@ -89,11 +90,8 @@ def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
     """Bind, announce the port, start the shards and run the fan-out until told to stop."""
     shared = bind_listening_socket(ctx.port)
     privates = [bind_listening_socket(0) for _ in range(ctx.processes)]
-    bound = shared.getsockname()[1]
     participant = app.state.plane.participant
-    sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
-    sys.stdout.flush()
-    sys.stdout = sys.stderr
+    announce_listening(f"http://{HOST}:{shared.getsockname()[1]}")
     anyio.run(_serve_fanout, participant.kind, participant.instance, ctx, shared, privates)
 
 
@@ -134,7 +132,7 @@ async def _serve_fanout(
             PEERS_ENV: peers,
         }
         processes[slot] = subprocess.Popen(
-            [sys.executable, "-m", "e2e", *sys.argv[1:]],
+            [sys.executable, "-m", "e2e", *serve_argv()],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=sys.stderr,
@@ -154,21 +152,28 @@ async def _serve_fanout(
             with anyio.move_on_after(0.2):
                 await stop.wait()
 
-    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-        async with plane.running(), anyio.create_task_group() as group:
-            group.start_soon(fanout.serve, listener, plane)
-            group.start_soon(watch_shards)
-            async for _signal in signals:
-                break
-            stop.set()
-            for process in processes.values():
-                if process.poll() is None:
-                    process.terminate()
-            for process in processes.values():
-                await anyio.to_thread.run_sync(_reap, process)
-            group.cancel_scope.cancel()
+    async with plane.running(), anyio.create_task_group() as group:
+        group.start_soon(fanout.serve, listener, plane)
+        group.start_soon(watch_shards)
+        await _until_told_to_stop()
+        stop.set()
+        for process in processes.values():
+            if process.poll() is None:
+                process.terminate()
+        for process in processes.values():
+            await anyio.to_thread.run_sync(_reap, process)
+        group.cancel_scope.cancel()
     await listener.aclose()
     await anyio.to_thread.run_sync(_remove_socket, path)
+
+
+async def _until_told_to_stop() -> None:
+    """SIGTERM or SIGINT in a process of its own; a hosted server runs until its host dies."""
+    if not on_main_thread():
+        await anyio.sleep_forever()
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for _signal in signals:
+            return
 
 
 def _remove_socket(path: Path) -> None:

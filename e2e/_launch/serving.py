@@ -18,6 +18,7 @@ import uvicorn
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
 from .._trace.setup import configure_tracing
+from .hosting import announce_listening
 from .processes import is_shard_process, run_fanout, run_shard
 from .sockets import PortInUseError, bind_listening_socket
 
@@ -86,10 +87,6 @@ def run_server(app: Any, options: ServeContext | int, *, role: str = "server") -
     except PortInUseError as exc:
         _refuse_port(exc)
     with sock:
-        bound = sock.getsockname()[1]
-        sys.stdout.write(f"listening on http://{HOST}:{bound}\n")
-        sys.stdout.flush()
-        # Nobody reads stdout after the port line: anything printed later must not fill the pipe.
-        sys.stdout = sys.stderr
+        announce_listening(f"http://{HOST}:{sock.getsockname()[1]}")
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="auto")
         uvicorn.Server(config).run(sockets=[sock])

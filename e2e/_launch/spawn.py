@@ -89,6 +89,10 @@ class ServerProcess:
             f"(exit code {self.process.poll()}, output {buffered[-500:]!r})"
         )
 
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while it runs."""
+        return self.process.poll()
+
     @property
     def pid(self) -> int:
         """The process id (also the process group id)."""

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, Self
+from typing import Any, Final, Protocol, Self
 
 import httpx
 
@@ -78,6 +78,66 @@ class SupervisorOptions:
             raise ValueError(f"unknown roles {sorted(unknown)}; known: {list(ROLES)}")
 
 
+class LaunchedServer(Protocol):
+    """One started server, however it is hosted."""
+
+    url: str
+
+    @property
+    def pid(self) -> int:
+        """The server's (main) process id."""
+        ...
+
+    def poll(self) -> int | None:
+        """The exit code, or ``None`` while it runs."""
+        ...
+
+    def kill(self) -> None:
+        """SIGKILL every process of the server and wait until they are gone."""
+        ...
+
+
+class ServerHost(Protocol):
+    """Where the supervisor starts servers: processes here (:class:`LocalHost`), or Ray actors."""
+
+    def launch(
+        self,
+        name: str,
+        role: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        options: Mapping[str, Any],
+        timeout: float,
+    ) -> LaunchedServer:
+        """Start the server ``argv`` (``["serve", role, …]``) and return once it listens."""
+        ...
+
+
+@dataclass(frozen=True)
+class LocalHost:
+    """Every server as a process group of its own on this machine (the default host)."""
+
+    python: str = sys.executable
+
+    def launch(
+        self,
+        name: str,
+        role: str,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        log_path: Path,
+        options: Mapping[str, Any],
+        timeout: float,
+    ) -> LaunchedServer:
+        return ServerProcess(
+            [self.python, "-m", "e2e", *argv],
+            env=env,
+            log_path=log_path,
+            startup_timeout=timeout,
+        )
+
+
 def option_flags(options: Mapping[str, Any]) -> list[str]:
     """Role options as command-line flags, in the given order."""
     flags: list[str] = []
@@ -98,9 +158,17 @@ class Supervisor:
             counts the starts, and the cluster file is ``<root>/cluster.toml``.
         token: The control token every server gets in ``MIDFLIGHT_CONTROL_TOKEN``.
         options: What to start; every role by default.
+        host: Where the servers run: processes on this machine by default (with
+            ``options.python``), or Ray actors (:class:`e2e._launch.ray_host.RayHost`).
     """
 
-    def __init__(self, root: Path, token: str, options: SupervisorOptions | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        token: str,
+        options: SupervisorOptions | None = None,
+        host: ServerHost | None = None,
+    ) -> None:
         if not token:
             raise ValueError("the supervisor needs a non-empty control token")
         self.root = Path(root).resolve()
@@ -109,7 +177,8 @@ class Supervisor:
         self.cluster_path = self.root / CLUSTER_FILE
         self.checkpoint_root = self.options.checkpoint_root or str(self.root)
         self.generation = -1
-        self.processes: dict[str, ServerProcess] = {}
+        self.host: ServerHost = host or LocalHost(self.options.python)
+        self.processes: dict[str, LaunchedServer] = {}
         self.started_pgids: list[int] = []
         self.urls: dict[str, str] = {}
 
@@ -182,9 +251,6 @@ class Supervisor:
             role_options = self.options.role_options.get(role, {})
         options = dict(role_options)
         argv = [
-            self.options.python,
-            "-m",
-            "e2e",
             "serve",
             role,
             "--port",
@@ -197,26 +263,27 @@ class Supervisor:
             *([] if role == "worker" else ["--checkpoint-root", self.checkpoint_root]),
             *option_flags(options),
         ]
-        process = ServerProcess(
+        process = self.host.launch(
+            name,
+            role,
             argv,
-            env={**self.options.env, CONTROL_TOKEN_ENV: self.token},
-            log_path=self.root / LOGS_SUBDIR / f"{name}-{self.generation}.log",
-            startup_timeout=self.options.startup_timeout,
+            {**self.options.env, CONTROL_TOKEN_ENV: self.token},
+            self.root / LOGS_SUBDIR / f"{name}-{self.generation}.log",
+            options,
+            self.options.startup_timeout,
         )
         self.processes[name] = process
         self.started_pgids.append(process.pid)
         self._wait_healthy(name, process)
         return ServerEntry(name, role, process.url, options)
 
-    def _wait_healthy(self, name: str, process: ServerProcess) -> None:
+    def _wait_healthy(self, name: str, process: LaunchedServer) -> None:
         deadline = time.monotonic() + self.options.health_timeout
         last = "no answer yet"
         with httpx.Client(timeout=5.0) as client:
             while time.monotonic() < deadline:
-                if process.process.poll() is not None:
-                    raise RuntimeError(
-                        f"{name} exited with code {process.process.returncode} before it was healthy"
-                    )
+                if (code := process.poll()) is not None:
+                    raise RuntimeError(f"{name} exited with code {code} before it was healthy")
                 try:
                     reply = client.get(f"{process.url}/healthz")
                     if reply.status_code == 200:

@@ -20,7 +20,7 @@ import httpx
 from coordinator import Coordinator
 from e2e._drill.control import ControlSession
 from e2e._drill.tokens_of import token_sequence
-from e2e._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
+from e2e._launch.supervisor import ExtraServer, ServerHost, Supervisor, SupervisorOptions
 from e2e._servers.cluster import Role, read_cluster
 from e2e._servers.context import LEASE_GRACE_ENV
 from e2e._servers.model import read_policy_evidence
@@ -209,6 +209,7 @@ def start_deployment(
     token_delay_ms: float = 15.0,
     resources: Mapping[str, Any] | None = None,
     extra_servers: tuple[ExtraServer, ...] = (),
+    host: ServerHost | None = None,
 ) -> Supervisor:
     """Start every role under ``root`` (each in its own process group); the caller kills them.
 
@@ -217,6 +218,7 @@ def start_deployment(
         token_delay_ms: The worker's delay per token.
         resources: Options of the resources server (default: exported, verify waited for).
         extra_servers: More servers (a second chain of agent and environment, say).
+        host: Where the servers run (Ray actors, say); processes here by default.
     """
     options = SupervisorOptions(
         role_options={
@@ -226,7 +228,7 @@ def start_deployment(
         env={LEASE_GRACE_ENV: str(LEASE_GRACE_SECONDS)},
         extra_servers=extra_servers,
     )
-    supervisor = Supervisor(root.resolve(), TOKEN, options)
+    supervisor = Supervisor(root.resolve(), TOKEN, options, host=host)
     supervisor.start_all()
     return supervisor
 

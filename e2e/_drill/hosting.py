@@ -74,7 +74,8 @@ class DrillHosting:
             yield hosting
 
     def figures(self) -> dict[str, Any]:
-        """``on``, and on Ray the processes each crash of the run killed and those left."""
+        """``on``, and on Ray the processes each crash of the run killed, those left, and which
+        head it was (its marker and directory, to look for its processes afterwards)."""
         if self.head is None:
             return {"on": self.on}
         run = self.clusters[-1] if self.clusters else ClusterHosting()
@@ -82,6 +83,7 @@ class DrillHosting:
             "on": self.on,
             "ray_processes_killed": [len(pids) for pids in run.kills],
             "ray_left_running": self.left_running,
+            "ray_head": {"id": self.head.head_id, "temp_dir": str(self.head.temp_dir)},
         }
 
 

@@ -56,30 +56,76 @@ def ray_environment(token: str) -> dict[str, str]:
     }
 
 
-def processes_of(head_id: str) -> list[int]:
-    """The live (not zombie) processes whose environment names head ``head_id``."""
+def _state(proc: str) -> str | None:
+    try:
+        return Path(proc, "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _parents() -> dict[int, list[int]]:
+    """Process id → its children's ids, read from ``/proc``."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(entry.path, "stat").read_text()
+        except OSError:
+            continue
+        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+    return children
+
+
+def descendants(pid: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """Every live process below ``pid`` (its children, theirs, …), read from ``/proc``."""
+    children = _parents() if children is None else children
+    found: list[int] = []
+    queue = [pid]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            if is_running(child):
+                found.append(child)
+                queue.append(child)
+    return found
+
+
+def _belongs(proc: str, marker: bytes, temp_dir: str) -> bool:
+    """Whether the process carries the head's marker, or writes its output into the head's
+    directory (Ray's own processes rewrite their titles over their environment)."""
+    try:
+        if marker in Path(proc, "environ").read_bytes().split(b"\0"):
+            return True
+    except OSError:
+        pass
+    for fd in ("1", "2"):
+        try:
+            if os.readlink(Path(proc, "fd", fd)).startswith(temp_dir):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def processes_of(head_id: str, temp_dir: Path) -> list[int]:
+    """The live (not zombie) processes of one head, and every process below them."""
     marker = f"{MARKER_ENV}={head_id}".encode()
-    found = []
+    prefix = f"{temp_dir}/"
+    found = set()
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes()
-            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue  # gone, or not ours to read
-        if state not in ("Z", "X") and marker in environ.split(b"\0"):
-            found.append(int(entry.name))
-    return found
+        if _state(entry.path) not in (None, "Z", "X") and _belongs(entry.path, marker, prefix):
+            found.add(int(entry.name))
+    children = _parents()
+    for pid in list(found):
+        found.update(descendants(pid, children))
+    return sorted(found)
 
 
 def is_running(pid: int) -> bool:
     """Whether ``pid`` is a live process (a zombie is not)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    return _state(f"/proc/{pid}") not in (None, "Z", "X")
 
 
 def wait_gone(pids: list[int], timeout: float) -> list[int]:
@@ -197,12 +243,14 @@ class RayHead:
 
     def processes(self) -> list[int]:
         """Every live process of this head: Ray's own, its workers, and what they started."""
-        return processes_of(self.head_id)
+        return processes_of(self.head_id, self.temp_dir)
 
     def stop(self, timeout: float = 30.0) -> list[int]:
         """Kill every process of the head and remove its files; those still running after
         ``timeout`` (none, unless a process cannot be killed). Safe to call repeatedly."""
+        before = self.processes()  # while the tree still hangs together
         if self._process is not None:
+            before += [self._process.pid, *descendants(self._process.pid)]
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             if self._lifeline is not None:
@@ -212,7 +260,7 @@ class RayHead:
         if self._log is not None:
             self._log.close()
             self._log = None
-        left = self.processes()
+        left = sorted({*before, *self.processes()})
         for pid in left:  # workers lead groups of their own: they go one by one
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
@@ -249,4 +297,12 @@ def environment_of(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
-__all__ = ["MARKER_ENV", "RayHead", "environment_of", "is_running", "processes_of", "wait_gone"]
+__all__ = [
+    "MARKER_ENV",
+    "RayHead",
+    "descendants",
+    "environment_of",
+    "is_running",
+    "processes_of",
+    "wait_gone",
+]

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from coordinator import DESCRIBE_METHOD, HostedServer
 
-from .ray_head import environment_of, is_running, wait_gone
+from .ray_head import descendants, environment_of, is_running, wait_gone
 
 DEFAULT_ACTOR_OPTIONS: Final[Mapping[str, Any]] = {"num_cpus": 0}
 """A server's actor asks Ray for no CPU by default: the servers are I/O-bound, and seven of
@@ -34,28 +34,6 @@ them must fit a two-core head. Pass ``num_cpus``, ``resources`` or a scheduling 
 place them on a real cluster."""
 KILL_TIMEOUT_S: Final = 30.0
 NAME_RELEASE_TIMEOUT_S: Final = 30.0
-
-
-def descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (its children, theirs, …), read from ``/proc``."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    queue = [pid]
-    while queue:
-        for child in children.get(queue.pop(), []):
-            if is_running(child):
-                found.append(child)
-                queue.append(child)
-    return found
 
 
 class ServerActor:
@@ -304,4 +282,4 @@ class RayHost:
         self.disconnect()
 
 
-__all__ = ["ActorServer", "RayHost", "ServerActor", "descendants"]
+__all__ = ["ActorServer", "RayHost", "ServerActor"]

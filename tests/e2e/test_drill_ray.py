@@ -8,7 +8,6 @@ test checks the drill's figures and that no process of any Ray head outlived the
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from e2e._drill.oracle import ERROR_FIGURES
-from e2e._launch.ray_head import MARKER_ENV
+from e2e._launch.ray_head import processes_of
 from e2e._servers.cluster import read_cluster
 from e2e._servers.evidence import read_evidence
 from tests.e2e.processes import drill_json
@@ -25,26 +24,9 @@ from tests.e2e.test_drill import SMALL
 pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 
 
-def ray_head_processes() -> set[int]:
-    """Every live process on this machine that belongs to some drill's Ray head."""
-    found = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            environ = Path(entry.path, "environ").read_bytes().split(b"\0")
-            state = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if state != "Z" and any(v.startswith(f"{MARKER_ENV}=".encode()) for v in environ):
-            found.add(int(entry.name))
-    return found
-
-
 def test_the_drill_on_ray_with_checkpoints_on_s3_is_green_and_leaves_nothing_running(
     tmp_path: Path,
 ) -> None:
-    before = ray_head_processes()  # another test's head may run beside this one
     code, figures = drill_json(tmp_path, *SMALL, "--on", "ray", "--checkpoint-store", "s3")
     assert {name: figures[name] for name in ERROR_FIGURES} == dict.fromkeys(ERROR_FIGURES, 0), (
         figures
@@ -63,7 +45,11 @@ def test_the_drill_on_ray_with_checkpoints_on_s3_is_green_and_leaves_nothing_run
     # The servers logged into the run directory, one log per actor incarnation.
     assert len(list((tmp_path / "run" / "logs").glob("policy-*.log"))) == figures["crashes"] + 1
     assert figures["ray_left_running"] == 0
-    assert ray_head_processes() - before == set()
+    # Nothing of the drill's head runs: no process with its marker, writing into its directory,
+    # or below either (another test's head may run beside this one: it is not looked at).
+    head = figures["ray_head"]
+    assert processes_of(head["id"], Path(head["temp_dir"])) == []
+    assert not Path(head["temp_dir"]).exists()
 
 
 def test_drill_on_ray_refuses_the_matrix_in_one_line() -> None:

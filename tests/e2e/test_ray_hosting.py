@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -59,6 +60,17 @@ def supervisor(tmp_path_factory: pytest.TempPathFactory, ray_host: RayHost) -> I
         yield started
     finally:
         started.kill_all()
+
+
+def stays_dead(handle: object, seconds: float = 8.0) -> None:
+    """Every call on the actor for ``seconds`` fails with ``ActorDiedError``."""
+    import ray
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        with pytest.raises(ray.exceptions.ActorDiedError):
+            ray.get(handle.describe.remote(), timeout=30)  # type: ignore[attr-defined]
+        time.sleep(0.5)
 
 
 async def test_the_coordinator_discovers_the_hosted_participants_from_ray(
@@ -114,6 +126,9 @@ async def test_a_killed_ray_worker_process_fails_the_open_checkpoint_and_a_resto
                     "hosted-c2", deployed.deadline(), deployed.checkpoint_dir("hosted-c2"), scope
                 )
             assert set(caught.value.failures) == {"agent"}, caught.value.failures
+            # Ray brings nothing back (max_restarts=0): the actor is dead for good, not
+            # restarting (a restarting actor answers ActorUnavailableError, then again).
+            await anyio.to_thread.run_sync(stays_dead, agent.handle)
             killed_before = len(ray_host.killed)
             await deployed.crash()  # every actor's processes SIGKILLed; fresh actors
         killed = ray_host.killed[killed_before:]

@@ -1,0 +1,45 @@
+"""The drill's verdict on Ray hosting: a process left running, or a crash that killed nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from e2e._drill.oracle import ERROR_FIGURES, Figures
+
+
+def green_on_ray(**changes: Any) -> Figures:
+    """The figures of a passing two-crash run on Ray (every other check satisfied)."""
+    values: dict[str, Any] = {
+        **dict.fromkeys(ERROR_FIGURES, 0),
+        "checkpoints": 3,
+        "crashes": 2,
+        "restored_per_crash": [3, 3],
+        "held_delivered": 2,
+        "stale_probes_per_crash": [12, 12],
+        "restored": 6,
+        "cut_continued": 4,
+        "on": "ray",
+        "ray_processes_killed": [7, 7],
+        "ray_left_running": 0,
+    }
+    return Figures({**values, **changes})
+
+
+def test_a_green_run_on_ray_passes() -> None:
+    assert green_on_ray().failed_checks(require_cuts=True) == []
+
+
+def test_a_process_of_the_head_left_running_fails_the_drill() -> None:
+    assert green_on_ray(ray_left_running=2).failed_checks() == ["ray_left_running = 2"]
+
+
+def test_a_crash_that_killed_no_process_fails_the_drill() -> None:
+    for killed in ([7, 0], [7], [], None):
+        reasons = green_on_ray(ray_processes_killed=killed).failed_checks()
+        assert reasons == [f"a crash on Ray killed no process (killed per crash: {killed})"]
+
+
+def test_a_local_run_needs_no_ray_figures() -> None:
+    figures = green_on_ray(on="local")
+    del figures.values["ray_processes_killed"], figures.values["ray_left_running"]
+    assert figures.failed_checks() == []

@@ -76,8 +76,8 @@ class DrillHosting:
     def figures(self) -> dict[str, Any]:
         """``on``, and on Ray the processes each crash of the run killed, those left, and which
         head it was (its marker and directory, to look for its processes afterwards)."""
-        if self.head is None:
-            return {"on": self.on}
+        if self.head is None:  # every error figure is in every result, so a script can read it
+            return {"on": self.on, "ray_left_running": 0}
         run = self.clusters[-1] if self.clusters else ClusterHosting()
         return {
             "on": self.on,

@@ -1,0 +1,81 @@
+"""A Ray head and every actor on it die with the process that started them (D242, D337).
+
+A harness process starts a local Ray head and every reference server on it (resources with two
+shard processes), then is SIGKILLed: no process of the head, no actor and no shard may outlive
+it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from e2e._launch.ray_head import is_running, processes_of
+
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
+
+HARNESS = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from e2e._launch.ray_head import RayHead
+    from e2e._launch.ray_host import RayHost
+    from e2e._launch.supervisor import Supervisor, SupervisorOptions
+
+    head = RayHead()
+    head.start()
+    host = RayHost(head.address, head.env, "midflight-lifeline")
+    host.connect()
+    options = SupervisorOptions(role_options={"resources": {"workers": 2}})
+    supervisor = Supervisor(Path(sys.argv[1]), "tok", options, host=host)
+    supervisor.start_all()
+    print(json.dumps({"id": head.head_id, "temp_dir": str(head.temp_dir),
+                      "pids": head.processes()}), flush=True)
+    time.sleep(600)
+    """
+)
+
+
+def test_the_head_its_actors_and_their_shards_die_when_the_harness_is_sigkilled(
+    tmp_path: Path,
+) -> None:
+    process = subprocess.Popen(
+        [sys.executable, "-c", HARNESS, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,
+    )
+    assert process.stdout is not None
+    started = json.loads(process.stdout.readline())
+    pids: list[int] = started["pids"]
+    temp_dir = Path(started["temp_dir"])
+    try:
+        # Ray's own processes and five server actors (worker, policy, resources, agent,
+        # environment), with resources' two shard processes (`python -m e2e serve resources`).
+        command_lines = [Path(f"/proc/{p}/cmdline").read_text() for p in pids]
+        shards = [c for c in command_lines if "-m\0e2e\0serve\0resources\0" in c]
+        assert len(shards) == 2, command_lines
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait(timeout=10)
+        deadline = time.monotonic() + 60
+        while (alive := [p for p in pids if is_running(p)]) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert alive == [], "processes outlived the harness"
+        assert processes_of(started["id"], temp_dir) == []
+    finally:
+        process.stdout.close()
+        for pid in pids:  # never leave them behind, even when the test fails
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp_dir, ignore_errors=True)

@@ -56,24 +56,25 @@ def ray_environment(token: str) -> dict[str, str]:
     }
 
 
-def _state(proc: str) -> str | None:
+def _stat(proc: str) -> list[str] | None:
+    """The fields of ``<proc>/stat`` after the command name (state first, then the parent)."""
     try:
-        return Path(proc, "stat").read_text().rsplit(")", 1)[1].split()[0]
+        return Path(proc, "stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
+
+
+def _state(proc: str) -> str | None:
+    fields = _stat(proc)
+    return fields[0] if fields else None
 
 
 def _parents() -> dict[int, list[int]]:
     """Process id → its children's ids, read from ``/proc``."""
     children: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue
-        children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry.name))
+        if entry.name.isdigit() and (fields := _stat(entry.path)):
+            children.setdefault(int(fields[1]), []).append(int(entry.name))
     return children
 
 
@@ -248,9 +249,8 @@ class RayHead:
     def stop(self, timeout: float = 30.0) -> list[int]:
         """Kill every process of the head and remove its files; those still running after
         ``timeout`` (none, unless a process cannot be killed). Safe to call repeatedly."""
-        before = self.processes()  # while the tree still hangs together
+        before = self.processes()  # the marked head and all below it, while the tree holds
         if self._process is not None:
-            before += [self._process.pid, *descendants(self._process.pid)]
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self._process.pid, signal.SIGKILL)
             if self._lifeline is not None:

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from coordinator import DESCRIBE_METHOD, HostedServer
+from coordinator import DESCRIBE_METHOD
 
 from .ray_head import descendants, environment_of, is_running, wait_gone
 
@@ -127,7 +127,6 @@ class ActorServer:
         self.url = url
         self.pid = pid
         self.name = name
-        self.killed: list[int] = []
 
     def poll(self) -> int | None:
         """``None`` while the actor's process runs, else ``-9``."""
@@ -137,7 +136,6 @@ class ActorServer:
         """SIGKILL the actor's process and everything it started, wait until all are gone,
         and tell Ray the actor is dead for good (its name becomes free)."""
         pids = [self.pid, *descendants(self.pid)]
-        self.killed = pids
         if self._on_killed is not None:
             self._on_killed(pids)
         for pid in pids:
@@ -236,7 +234,7 @@ class RayHost:
                 server did not listen within ``timeout``.
         """
         assert self._ray is not None, "connect() first"
-        described = HostedServer(name=name, role=role, url="-", options=dict(options))
+        described = {"name": name, "role": role, "options": dict(options)}
         handle = self._create(name, list(argv), dict(env), str(log_path), described)
         try:
             listening = self._ray.get(handle.wait_listening.remote(timeout), timeout=timeout + 30)
@@ -250,7 +248,7 @@ class RayHost:
         )
 
     def _create(
-        self, name: str, argv: list[str], env: dict[str, str], log: str, described: HostedServer
+        self, name: str, argv: list[str], env: dict[str, str], log: str, described: dict[str, Any]
     ) -> Any:
         from ray.exceptions import ActorAlreadyExistsError
 
@@ -262,11 +260,10 @@ class RayHost:
             "max_task_retries": 0,
             "max_concurrency": 4,  # wait_listening, describe and processes beside the server
         }
-        description = described.model_dump(exclude={"url"})
         deadline = time.monotonic() + NAME_RELEASE_TIMEOUT_S
         while True:
             try:
-                return self._actor_class.options(**options).remote(argv, env, log, description)
+                return self._actor_class.options(**options).remote(argv, env, log, described)
             except (ActorAlreadyExistsError, ValueError):
                 if time.monotonic() > deadline:
                     raise TimeoutError(

@@ -15,12 +15,11 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
-from e2e._launch.ray_head import is_running, processes_of
+from e2e._launch.ray_head import processes_of, wait_gone
 
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
@@ -68,10 +67,7 @@ def test_the_head_its_actors_and_their_shards_die_when_the_harness_is_sigkilled(
         assert len(shards) == 2, command_lines
         os.kill(process.pid, signal.SIGKILL)
         process.wait(timeout=10)
-        deadline = time.monotonic() + 60
-        while (alive := [p for p in pids if is_running(p)]) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert alive == [], "processes outlived the harness"
+        assert wait_gone(pids, 60.0) == [], "processes outlived the harness"
         assert processes_of(started["id"], temp_dir) == []
     finally:
         process.stdout.close()

@@ -38,8 +38,10 @@ from ._http.router import (
 )
 from ._ledger.custody import record_custody, resolve_admission
 from ._ledger.file import FileCaptureLedger
+from ._ledger.layout import LedgerLayoutError, live_ledger_keys
 from ._ledger.memory import MemoryCaptureLedger
 from ._ledger.routes import ledger_control_router
+from ._ledger.sqlite import SqliteCaptureLedger
 from ._model.cuts import CallAborter, CutRequester, generation_cut_restart_reason
 from ._model.fanout import ModelProcessFanout
 from ._model.gate import ModelTicket
@@ -121,6 +123,7 @@ __all__ = [
     "FanoutShard",
     "FileCaptureLedger",
     "FileTokenStagingStore",
+    "LedgerLayoutError",
     "ManualClock",
     "MemoryCaptureLedger",
     "ModelParticipant",
@@ -141,6 +144,7 @@ __all__ = [
     "RestoredAgentSession",
     "RolloutTokenCapture",
     "SeededSession",
+    "SqliteCaptureLedger",
     "StreamingUnsupportedError",
     "VerifyMode",
     "authorized",
@@ -158,6 +162,7 @@ __all__ = [
     "install_error_envelope",
     "ledger_control_router",
     "listen_private",
+    "live_ledger_keys",
     "make_directory_durable",
     "participant_app",
     "private_socket_path",

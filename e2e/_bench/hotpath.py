@@ -7,10 +7,12 @@ the group commit) and **egress** (the gate's delivery and the ticket's release).
 and record the worker's request is encoded and its reply decoded (**worker_codec**); the network
 itself is left out. The steps run the server's own code (``e2e._servers.policy_server`` and the
 capture protocol it calls, ``participants.resolve_admission`` / ``record_custody``) against a
-``FileCaptureLedger`` in a scratch directory, one call at a time, each rollout's calls in order
+capture ledger of either layout (``SqliteCaptureLedger`` by default, ``FileCaptureLedger``) in a
+scratch directory, one call at a time, each rollout's calls in order
 with a conversation that grows by an assistant and a tool item per call.
 
-``os.fsync`` is replaced by a no-op for the whole run, so the figures are what the server spends
+``os.fsync`` is replaced by a no-op for the whole run (the SQLite layout runs with
+``synchronous=OFF``, its own way of not syncing), so the figures are what the server spends
 on the CPU, not what the disk spends: process CPU time (every thread, the shard threads of the
 group commit included), read before and after each step.
 
@@ -33,7 +35,13 @@ from typing import Any, Final
 
 import anyio
 
-from participants import FileCaptureLedger, ModelParticipant, record_custody, resolve_admission
+from participants import (
+    FileCaptureLedger,
+    ModelParticipant,
+    SqliteCaptureLedger,
+    record_custody,
+    resolve_admission,
+)
 from protocols import CompletionReply, EpisodeId, as_request_items, conversation_digest
 
 from .ledger import _ThreadHop
@@ -114,13 +122,16 @@ class _FloorFiles:
         os.close(fd)
 
 
-def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict[str, Any]:
+def run_hotpath_bench(
+    directory: Path, *, rollouts: int, calls: int = 4, layout: str = "sqlite"
+) -> dict[str, Any]:
     """CPU µs per captured call and each step's share, beside the floor.
 
     Args:
         directory: An empty scratch directory.
         rollouts: How many rollouts (each with ``calls`` captured calls, in order).
         calls: Calls per rollout.
+        layout: The capture ledger's layout, ``sqlite`` or ``file``.
     """
     cpu = dict.fromkeys(STEPS, 0.0)
     wall_s = 0.0
@@ -170,7 +181,11 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
 
     async def main() -> None:
         nonlocal wall_s, floor_cpu, floor_wall
-        ledger = FileCaptureLedger(directory / "ledger")
+        ledger: FileCaptureLedger | SqliteCaptureLedger = (
+            SqliteCaptureLedger(directory / "ledger", synchronous="OFF")
+            if layout == "sqlite"
+            else FileCaptureLedger(directory / "ledger")
+        )
         participant = ModelParticipant(ledger)
         try:
             for index in range(rollouts):
@@ -205,6 +220,7 @@ def run_hotpath_bench(directory: Path, *, rollouts: int, calls: int = 4) -> dict
         "rollouts": rollouts,
         "calls_per_rollout": calls,
         "calls": n,
+        "layout": layout,
         "fsync": "stubbed",
         "cpu_us_per_call": round(total / n * 1e6, 2),
         "wall_us_per_call": round(wall_s / n * 1e6, 2),

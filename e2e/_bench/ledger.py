@@ -4,6 +4,12 @@ A floor does the same system calls on the same file names as the ledger (open, w
 create, unlink, directory fsync) with everything else taken away: no locking, no JSON, no
 models, no worker thread. The ratio says what the ledger's bookkeeping costs on top of the disk.
 
+The SQLite layout (``--layout sqlite``, D340) keeps every ledger in one database file, so its
+floor is one append-only log file: each write appends the same bytes and makes them durable with
+one fsync per transaction the ledger commits (a row of ``record``; a group of the rollouts in
+flight for ``record_concurrent``; a batch of retire, delete or import), and a manifest is one
+``pread`` of the bytes a key's rows take in that log.
+
 Sequential ``record`` and ``manifest`` also get a third figure: their floor's system calls, call
 by call, sent through one bare event loop → thread → event loop round trip (``_ThreadHop``). The
 ledger may not do blocking file work on the event loop, so that round trip is part of any
@@ -28,9 +34,10 @@ from typing import Any
 
 import anyio
 
-from participants import FileCaptureLedger
+from participants import FileCaptureLedger, SqliteCaptureLedger
 from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
 
+LAYOUTS = ("sqlite", "file")
 OPERATIONS = ("record", "record_concurrent", "manifest", "retire", "delete", "import_rows_many")
 IN_FLIGHT = 64
 """Rollouts recording at once in the ``record_concurrent`` row."""
@@ -166,6 +173,61 @@ class _Floor:
         os.close(self.dir_fd)
 
 
+class _LogFloor:
+    """The SQLite layout's floor: the same bytes appended to one log, one fsync per commit."""
+
+    def __init__(self, root: Path) -> None:
+        root.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(root / "floor.log", os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self.dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+        os.fsync(self.dir_fd)  # the log's name, once
+        self.end = 0
+        self.where: dict[str, tuple[int, int]] = {}
+
+    def _commit(self, data: bytes, keys: list[str] | None = None) -> None:
+        os.write(self.fd, data)
+        os.fsync(self.fd)
+        if keys is not None and len(keys) == 1:
+            start, length = self.where.get(keys[0], (self.end, 0))
+            self.where[keys[0]] = (start, length + len(data))
+        self.end += len(data)
+
+    def record_row(self, key: str, line: bytes, *, first: bool) -> None:
+        del first  # no file per rollout: nothing to create
+        self._commit(line, [key])
+
+    def record(self, lines: dict[str, list[bytes]]) -> None:
+        for key, rows in lines.items():
+            for line in rows:
+                self.record_row(key, line, first=False)
+
+    def record_concurrent(self, lines: dict[str, list[bytes]]) -> None:
+        """Call 0 of every rollout in flight in one commit, then call 1, and so on."""
+        for turn in range(len(next(iter(lines.values())))):
+            self._commit(b"".join(rows[turn] for rows in lines.values()))
+
+    def manifest(self, keys: list[str]) -> None:
+        for key in keys:
+            start, length = self.where.get(key, (0, 0))
+            os.pread(self.fd, length, start)
+
+    def retire(self, batches: list[list[str]]) -> None:
+        for batch in batches:
+            self._commit("".join(f"R {key}\n" for key in batch).encode())
+
+    def delete(self, batches: list[list[str]]) -> None:
+        for batch in batches:
+            self._commit("".join(f"D {key}\n" for key in batch).encode())
+
+    def import_rows_many(self, batches: list[dict[str, bytes]]) -> None:
+        for batch in batches:
+            self._commit(b"".join(batch.values()))
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self.dir_fd)
+
+
 class _ThreadHop:
     """The least a call can pay to run blocking work off the event loop and come back.
 
@@ -220,7 +282,7 @@ def _plant(root: Path, data: dict[str, bytes]) -> None:
 
 
 def run_ledger_bench(
-    directory: Path, *, rollouts: int, calls: int = 4, batch: int = 256
+    directory: Path, *, rollouts: int, calls: int = 4, batch: int = 256, layout: str = "sqlite"
 ) -> dict[str, Any]:
     """Measure every operation and its floor; µs per rollout and the ratio.
 
@@ -229,7 +291,12 @@ def run_ledger_bench(
         rollouts: How many rollouts (each with ``calls`` rows).
         calls: Rows per rollout.
         batch: Ids per retire, delete and import batch.
+        layout: The ledger's on-disk layout, ``sqlite`` or ``file`` (each with its own floor).
     """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}")
+    opened = SqliteCaptureLedger if layout == "sqlite" else FileCaptureLedger
+    floor_of = _LogFloor if layout == "sqlite" else _Floor
     keys = [f"rollout-{i}" for i in range(rollouts)]
     commits = {key: [_commit(key, turn) for turn in range(calls)] for key in keys}
     lines = {key: [encode_row(custody_row(c)) for c in commits[key]] for key in keys}
@@ -237,13 +304,13 @@ def run_ledger_bench(
     whole = {key: b"".join(lines[key]) for key in keys}
     batches = [keys[i : i + batch] for i in range(0, len(keys), batch)]
     ours_dir, floor_dir = directory / "ledger", directory / "floor"
-    ledger = FileCaptureLedger(ours_dir)
-    floor = _Floor(floor_dir)
+    ledger = opened(ours_dir)
+    floor = floor_of(floor_dir)
     # Ours and the floor alternate chunk by chunk, so both see the same disk weather.
     ours_s = dict.fromkeys(OPERATIONS, 0.0)
     floor_s = dict.fromkeys(OPERATIONS, 0.0)
     via_thread_s = dict.fromkeys(VIA_THREAD, 0.0)
-    floor_via_thread = _Floor(directory / "floor-via-thread")
+    floor_via_thread = floor_of(directory / "floor-via-thread")
     hop = _ThreadHop()
 
     async def alternate(
@@ -265,7 +332,9 @@ def run_ledger_bench(
                 await bare_via_thread(chunk)
                 via_thread_s[name] += time.perf_counter() - start
 
-    async def record_chunk(chunk: list[str], into: FileCaptureLedger | None = None) -> None:
+    async def record_chunk(
+        chunk: list[str], into: FileCaptureLedger | SqliteCaptureLedger | None = None
+    ) -> None:
         for key in chunk:
             for work in commits[key]:
                 await (into or ledger).record(work)
@@ -292,14 +361,18 @@ def run_ledger_bench(
                     group.start_soon(record_chunk, [key], busy)
 
         def floor_many(chunk: list[str]) -> None:
+            if isinstance(floor_busy, _LogFloor):
+                floor_busy.record_concurrent({k: lines[k] for k in chunk})
+                return
+            assert isinstance(busy, FileCaptureLedger)
             shards: dict[int, list[str]] = {}
             for key in chunk:
                 shards.setdefault(busy.commit_shard(key), []).append(key)
             floor_busy.record_concurrent(pool, shards, {k: lines[k] for k in chunk})
 
         # The same rollouts again in fresh directories, IN_FLIGHT of them recording at once.
-        busy = FileCaptureLedger(directory / "ledger-concurrent")
-        floor_busy = _Floor(directory / "floor-concurrent")
+        busy = opened(directory / "ledger-concurrent")
+        floor_busy = floor_of(directory / "floor-concurrent")
         waves = [keys[i : i + IN_FLIGHT] for i in range(0, len(keys), IN_FLIGHT)]
         try:
             with ThreadPoolExecutor(busy.commit_threads) as pool:
@@ -307,7 +380,7 @@ def run_ledger_bench(
         finally:
             busy.close()
             floor_busy.close()
-        cold = FileCaptureLedger(ours_dir)  # a fresh process's view: nothing cached
+        cold = opened(ours_dir)  # a fresh process's view: nothing cached
 
         async def manifest_chunk(chunk: list[str]) -> None:
             for key in chunk:
@@ -324,8 +397,11 @@ def run_ledger_bench(
         finally:
             cold.close()
         await alternate("retire", batches, ledger.retire, lambda c: floor.retire([c]))
-        _plant(ours_dir, whole)
-        _plant(floor_dir, whole)
+        if isinstance(ledger, SqliteCaptureLedger):  # untimed: live ledgers to delete
+            ledger.import_rows_many(rows)
+        else:
+            _plant(ours_dir, whole)
+            _plant(floor_dir, whole)
         await alternate("delete", batches, ledger.delete, lambda c: floor.delete([c]))
 
         async def import_chunk(chunk: list[str]) -> None:
@@ -366,6 +442,7 @@ def run_ledger_bench(
             }
     return {
         "rollouts": rollouts,
+        "layout": layout,
         "calls_per_rollout": calls,
         "batch": batch,
         "operations": operations,

@@ -15,6 +15,7 @@ from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
 from .bench_suites import add_suite_commands
 from .output import JsonOption, console, emit, usage_error
+from .serve import LedgerLayoutChoice
 
 
 def register(app: typer.Typer) -> None:
@@ -36,15 +37,22 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
         ] = None,
+        layout: Annotated[
+            LedgerLayoutChoice,
+            typer.Option(help="The ledger's on-disk layout, each beside its own floor."),
+        ] = LedgerLayoutChoice.sqlite,
         as_json: JsonOption = False,
     ) -> None:
         """The capture ledger: µs per rollout for record, retire, delete, manifest, import."""
         with tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch:
-            payload = run_ledger_bench(Path(scratch), rollouts=rollouts, calls=calls, batch=batch)
+            payload = run_ledger_bench(
+                Path(scratch), rollouts=rollouts, calls=calls, batch=batch, layout=layout.value
+            )
 
         def render() -> None:
             table = Table(
-                title=f"capture ledger: {rollouts} rollouts x {calls} calls, batches of {batch}"
+                title=f"capture ledger ({layout.value} layout): {rollouts} rollouts x {calls} "
+                f"calls, batches of {batch}"
             )
             for column in ("operation", "µs / rollout", "floor µs / rollout", "ratio"):
                 table.add_column(column, justify="left" if column == "operation" else "right")
@@ -80,6 +88,9 @@ def register(app: typer.Typer) -> None:
             Path | None,
             typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
         ] = None,
+        layout: Annotated[
+            LedgerLayoutChoice, typer.Option(help="The capture ledger's on-disk layout.")
+        ] = LedgerLayoutChoice.sqlite,
         as_json: JsonOption = False,
     ) -> None:
         """The policy server's hot path: CPU µs per captured call, per step, fsync stubbed out."""
@@ -87,11 +98,14 @@ def register(app: typer.Typer) -> None:
             tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,
             quiet_logs(),
         ):
-            payload = run_hotpath_bench(Path(scratch), rollouts=rollouts, calls=calls)
+            payload = run_hotpath_bench(
+                Path(scratch), rollouts=rollouts, calls=calls, layout=layout.value
+            )
 
         def render() -> None:
             table = Table(
-                title=f"policy server hot path: {rollouts} rollouts x {calls} calls, fsync stubbed"
+                title=f"policy server hot path ({layout.value} layout): {rollouts} rollouts x "
+                f"{calls} calls, fsync stubbed"
             )
             for column in ("step", "CPU µs / call", "share"):
                 table.add_column(column, justify="left" if column == "step" else "right")

@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+from participants import LedgerLayoutError
 from protocols import is_object_store_url, open_store
 
 from .._launch.serving import run_server
@@ -110,6 +111,13 @@ class ModeChoice(StrEnum):
     exported = "exported"
     stateless = "stateless"
     restart_only = "restart_only"
+
+
+class LedgerLayoutChoice(StrEnum):
+    """``--ledger-layout``: the capture ledger's on-disk layout (D340)."""
+
+    sqlite = "sqlite"
+    file = "file"
 
 
 class VerifyChoice(StrEnum):
@@ -220,6 +228,13 @@ def _register_model(serve_app: typer.Typer) -> None:
         admission_wait_s: Annotated[
             float, typer.Option(min=0.1, help="Longest a call waits for a checkpoint to resume.")
         ] = 900.0,
+        ledger_layout: Annotated[
+            LedgerLayoutChoice,
+            typer.Option(
+                help="The capture ledger on disk: sqlite (one database file for every rollout) "
+                "or file (files per rollout)."
+            ),
+        ] = LedgerLayoutChoice.sqlite,
     ) -> None:
         """The policy server: chat completions captured into <root>/ledger (default port 8702)."""
         options = serve_options_from(
@@ -231,9 +246,15 @@ def _register_model(serve_app: typer.Typer) -> None:
             checkpoint_root=checkpoint_root_option(checkpoint_root),
             trace_dir=trace_dir,
         )
-        app = create_model_app(
-            options, worker_url=worker_url, admission_wait_seconds=admission_wait_s
-        )
+        try:
+            app = create_model_app(
+                options,
+                worker_url=worker_url,
+                admission_wait_seconds=admission_wait_s,
+                ledger_layout=ledger_layout.value,
+            )
+        except LedgerLayoutError as exc:  # a run root written with the other layout
+            usage_error(str(exc))
         run_server(app, options, role="model")
 
 

@@ -26,6 +26,7 @@ from coordinator import (
     read_latest,
 )
 from coordinator.testing import PUBLISH_FAULTS
+from participants import live_ledger_keys
 from participants.testing import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
@@ -193,8 +194,7 @@ class ControlSession:
                 # Counted apart from retire marks (D223); the final retire and forget end them.
                 left[f"{server.name}.restore_fences"] = int(status.get("restore_fences", 0))
                 left[f"{server.name}.live"] = live
-        ledger = root / "ledger"
-        left["live_ledgers"] = len(list(ledger.glob("*.lineage.jsonl"))) if ledger.exists() else 0
+        left["live_ledgers"] = len(live_ledger_keys(root / "ledger"))  # either layout
         return left
 
     @staticmethod

@@ -27,6 +27,7 @@ from participants import (
     ControlTelemetry,
     FileCaptureLedger,
     ModelParticipant,
+    SqliteCaptureLedger,
     error_responses,
     ledger_control_router,
     participant_app,
@@ -75,6 +76,25 @@ def read_policy_evidence(
     return [e for e in read_evidence(policy_evidence_path(root, name)) if e.get("event") == event]
 
 
+LEDGER_LAYOUTS: Final = ("sqlite", "file")
+DEFAULT_LEDGER_LAYOUT: Final = "sqlite"
+"""The capture ledger's on-disk layout when ``--ledger-layout`` is not given (D340)."""
+
+
+def open_capture_ledger(directory: Path, layout: str) -> FileCaptureLedger | SqliteCaptureLedger:
+    """The capture ledger of a policy server in ``directory``, in ``layout``.
+
+    Raises:
+        ValueError: ``layout`` is not one of ``LEDGER_LAYOUTS``.
+        LedgerLayoutError: ``directory`` holds the other layout's ledgers.
+    """
+    if layout == "sqlite":
+        return SqliteCaptureLedger(directory)
+    if layout == "file":
+        return FileCaptureLedger(directory)
+    raise ValueError(f"ledger layout must be one of {', '.join(LEDGER_LAYOUTS)}, not {layout!r}")
+
+
 def create_model_app(
     ctx: ServeContext,
     *,
@@ -82,17 +102,21 @@ def create_model_app(
     worker_url: str | None = None,
     worker_transport: httpx.AsyncBaseTransport | None = None,
     admission_wait_seconds: float | None = None,
+    ledger_layout: str = DEFAULT_LEDGER_LAYOUT,
 ) -> FastAPI:
     """The policy server's app: chat completions, control routes, ledger routes.
 
     Args:
         ctx: Name, run root, peers and tokens.
-        ledger: The capture ledger; a ``FileCaptureLedger`` under ``<root>/ledger/`` by default.
+        ledger: The capture ledger; by default one of ``ledger_layout`` under ``<root>/ledger/``.
         worker_url: The worker's base URL; the cluster's ``worker`` by default.
         worker_transport: Transport of the worker client (tests).
         admission_wait_seconds: Bound of a call waiting for resume (the gate's default if None).
+        ledger_layout: ``sqlite`` (one database file, D340) or ``file`` (a file per key).
     """
-    capture = ledger if ledger is not None else FileCaptureLedger(ctx.root / "ledger")
+    capture = (
+        ledger if ledger is not None else open_capture_ledger(ctx.root / "ledger", ledger_layout)
+    )
     fault = active_fault()
     requester = HttpCutRequester(ctx.control_token, worker_transport)
     # One registry for the control plane and the cut counter: /metrics shows both.

@@ -72,8 +72,10 @@ def removal_result(
     )
 
 
-def encode_ledger_batch(ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, bytes]:
-    """Validate every key and row of an import and encode each ledger whole, changing nothing.
+def encode_ledger_rows(
+    ledgers: Mapping[str, Sequence[Mapping[str, Any]]],
+) -> dict[str, list[bytes]]:
+    """Validate every key and row of an import and encode each row as a line, changing nothing.
 
     Raises:
         TypeError: ``ledgers`` is not a mapping (a bare string included).
@@ -83,13 +85,18 @@ def encode_ledger_batch(ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> d
     if not isinstance(ledgers, Mapping):
         raise TypeError("import_rows_many expects a mapping of rollout id to rows")
     keys = validate_ledger_keys(list(ledgers))
-    encoded: dict[str, bytes] = {}
+    encoded: dict[str, list[bytes]] = {}
     for key in keys:
         rows = ledgers[key]
         if isinstance(rows, str | bytes | Mapping):
             raise ValueError(f"the rows of {key!r} must be a sequence of row objects")
-        encoded[key] = b"".join(encode_row(validate_row(row)) for row in rows)
+        encoded[key] = [encode_row(validate_row(row)) for row in rows]
     return encoded
+
+
+def encode_ledger_batch(ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, bytes]:
+    """``encode_ledger_rows`` with each ledger's lines joined: the file ledger's import."""
+    return {key: b"".join(lines) for key, lines in encode_ledger_rows(ledgers).items()}
 
 
 def doomed_keys(names: Iterable[str], targets: Iterable[str]) -> dict[str, list[str]]:

@@ -30,6 +30,7 @@ from .common import (
     unlink_if_present,
     write_all,
 )
+from .layout import refuse_other_layout
 from .locks import StripedFileLocks
 
 _log = structlog.get_logger("midflight.ledger")
@@ -60,6 +61,7 @@ class LedgerDirectory:
     ) -> None:
         self.root = Path(root)
         make_directory_durable(self.root)
+        refuse_other_layout(self.root, this="file")
         self._prefix = f"{self.root}{os.sep}"
         self._locks = StripedFileLocks(self.root, stripes)
         self._cache = RowCache(max_cached_rollouts, max_cached_rows)

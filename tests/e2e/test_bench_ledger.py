@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from functools import partial
@@ -11,7 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from e2e._bench.ledger import _Floor, _ThreadHop
+from e2e._bench.ledger import _Floor, _LogFloor, _ThreadHop
+from e2e._servers.model import open_capture_ledger
 
 pytestmark = pytest.mark.anyio
 
@@ -48,8 +48,9 @@ async def test_the_floor_via_the_thread_writes_what_the_bare_floor_writes(tmp_pa
     assert (tmp_path / "bare" / names[0]).read_bytes() == b"".join(lines)
 
 
+@pytest.mark.parametrize("layout", ["sqlite", "file"])
 async def test_the_hot_path_bench_captures_every_call_with_fsync_stubbed_only_inside(
-    tmp_path: Path,
+    tmp_path: Path, layout: str
 ) -> None:
     from e2e._bench.hotpath import fsync_stubbed, run_hotpath_bench
 
@@ -58,16 +59,47 @@ async def test_the_hot_path_bench_captures_every_call_with_fsync_stubbed_only_in
         assert os.fsync is not real
     assert os.fsync is real
     payload = await anyio.to_thread.run_sync(
-        partial(run_hotpath_bench, tmp_path, rollouts=2, calls=3)
+        partial(run_hotpath_bench, tmp_path, rollouts=2, calls=3, layout=layout)
     )
     assert os.fsync is real
     assert payload["calls"] == 6
     # The steps really ran the server's capture: one custody row per call, chained.
-    for key in ("rollout-0", "rollout-1"):
-        lines = (tmp_path / "ledger" / f"{key}.lineage.jsonl").read_bytes().splitlines()
-        rows = [json.loads(line) for line in lines]
+    assert payload["layout"] == layout
+    ledger = open_capture_ledger(tmp_path / "ledger", layout)
+    try:
+        stored = {key: ledger.export_rows(key) for key in ("rollout-0", "rollout-1")}
+    finally:
+        ledger.close()
+    for rows in stored.values():
         assert [row["mode"] for row in rows] == ["text", "token_in", "token_in"]
         assert [row["parent_call_id"] for row in rows[1:]] == [
             rows[0]["model_call_id"],
             rows[1]["model_call_id"],
         ]
+
+
+def test_the_sqlite_layouts_floor_appends_every_byte_to_one_log_and_reads_a_key_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    syncs: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (syncs.append(fd), real(fd))[1])
+    floor = _LogFloor(tmp_path)
+    reads: list[bytes] = []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda *a: (reads.append(real_pread(*a)), reads[-1])[1])
+    try:
+        syncs.clear()
+        floor.record({"a": [b"a0\n", b"a1\n"], "b": [b"b0\n"]})
+        assert len(syncs) == 3  # one commit per row
+        floor.record_concurrent({"c": [b"c0\n", b"c1\n"], "d": [b"d0\n", b"d1\n"]})
+        assert len(syncs) == 5  # one commit per turn of the rollouts in flight
+        floor.retire([["a", "b"]])
+        floor.import_rows_many([{"e": b"e0\ne1\n"}])
+        assert len(syncs) == 7  # one per batch
+        floor.manifest(["a"])
+    finally:
+        floor.close()
+    log = (tmp_path / "floor.log").read_bytes()
+    assert log == b"a0\na1\nb0\nc0\nd0\nc1\nd1\nR a\nR b\ne0\ne1\n"
+    assert reads == [b"a0\na1\n"]  # a manifest reads exactly the key's bytes

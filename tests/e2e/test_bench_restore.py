@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from e2e import build_app
 from e2e._bench.common import InProcessCluster
 from e2e._bench.restore import crash_restore_cycle, read_and_write_floor
+from participants import live_ledger_keys
 
 runner = CliRunner()
 
@@ -79,8 +80,8 @@ async def test_every_restored_rollout_finishes_after_the_crash(tmp_path: Path) -
     row = await crash_restore_cycle(tmp_path, 4, finish=True)
     assert (row["parked"], row["restored"], row["finished"], row["lost"]) == (4, 4, 4, 0)
     # The fresh cluster continued the rollouts as attempt 1: the ledger holds their rows.
-    ledger = {path.name for path in (tmp_path / "run" / "ledger").iterdir()}
-    assert {f"r{i:06d}-a1.lineage.jsonl" for i in range(4)} <= ledger
+    live = set(live_ledger_keys(tmp_path / "run" / "ledger"))
+    assert {f"r{i:06d}-a1" for i in range(4)} <= live
 
 
 def test_the_restore_floor_reads_and_writes_every_byte(tmp_path: Path) -> None:

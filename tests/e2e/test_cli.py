@@ -152,3 +152,22 @@ def test_bench_hotpath_table_names_the_steps_and_the_floor(tmp_path: Path) -> No
     assert result.exit_code == 0, result.output
     for word in ("admit", "resolve", "record", "egress", "floor"):
         assert word in result.output
+
+
+@pytest.mark.parametrize(("written", "asked"), [("file", "sqlite"), ("sqlite", "file")])
+def test_serve_model_on_a_ledger_of_the_other_layout_is_a_one_line_usage_error(
+    tmp_path: Path, written: str, asked: str
+) -> None:
+    from participants import SqliteCaptureLedger
+
+    directory = tmp_path / "ledger"
+    if written == "file":  # a ledger of the file layout is its files
+        directory.mkdir()
+        (directory / "r.lineage.jsonl").write_bytes(b"")
+    else:
+        SqliteCaptureLedger(directory).close()
+    args = ["serve", "model", "--root", str(tmp_path), "--port", "0", "--ledger-layout", asked]
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "200"})
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert f"open it with the {written} layout" in lines[0]

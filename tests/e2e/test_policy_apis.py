@@ -17,7 +17,7 @@ from e2e._servers.policy_apis import (
     responses_call,
 )
 from e2e._worker.app import read_worker_evidence
-from participants import generation_cut_restart_reason
+from participants import generation_cut_restart_reason, live_ledger_keys
 from tests.e2e.test_server_model import (
     AUTH,
     MANIFEST,
@@ -106,7 +106,7 @@ async def test_an_untagged_call_is_gated_served_and_never_captured(
         assert _content(api, replies[0])
         assert app.state.policy.participant.served  # restore now refuses this process
     assert read_policy_evidence(tmp_path) == [] and read_worker_evidence(tmp_path) == []
-    assert not list((tmp_path / "ledger").glob("*.lineage.jsonl"))
+    assert live_ledger_keys(tmp_path / "ledger") == []
 
 
 @pytest.mark.parametrize("key", ["bad key!", "k" * 300])  # the second: too long a file name

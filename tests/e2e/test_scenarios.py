@@ -31,6 +31,7 @@ import httpx
 import pytest
 
 from e2e._launch.supervisor import Supervisor
+from participants import live_ledger_keys
 from protocols import CONTROL_PREFIX, EpisodeId
 
 from .deployment import (
@@ -143,7 +144,8 @@ async def test_a_retired_rollout_stops_everywhere_and_leaves_nothing(
             headers=deployed.auth,
         )
         assert (manifest.status_code, error_code(manifest)) == (410, "rollout_retired")
-        assert not list((deployed.root / "ledger").glob("gone*.lineage.jsonl"))  # no live ledger
+        live = live_ledger_keys(deployed.root / "ledger")
+        assert not [key for key in live if key.startswith("gone")]  # no live ledger
         again = await deployed.run("gone", 0)
         assert (again.status_code, error_code(again)) == (409, "stale_attempt")
         await deployed.control.forget("gone-forget", ["gone"])
@@ -263,3 +265,16 @@ async def test_a_second_crash_before_redispatch_and_the_same_checkpoint_restored
         for call in recorded:
             assert [e["request_digest"] for e in egress].count(call["request_digest"]) == 1
         await tidy(deployed, ep("twice", 2))
+
+
+async def test_the_drills_leftover_counts_a_finished_rollout_not_yet_retired(
+    supervisor: Supervisor,
+) -> None:
+    """The oracle's ``live_ledgers`` reads the policy server's ledger in its layout (SQLite by
+    default): a finished rollout's ledger is live until the controller retires it."""
+    async with attached(supervisor, THREE_CALLS) as deployed:
+        before = (await deployed.control.leftover(deployed.root))["live_ledgers"]
+        await finish(deployed, "kept", 0)
+        assert (await deployed.control.leftover(deployed.root))["live_ledgers"] == before + 1
+        await tidy(deployed, ep("kept"))
+        assert (await deployed.control.leftover(deployed.root))["live_ledgers"] == before

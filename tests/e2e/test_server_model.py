@@ -19,7 +19,7 @@ from e2e._servers.context import ServeContext
 from e2e._servers.model import create_model_app, read_policy_evidence
 from e2e._servers.policy_server import request_digest
 from e2e._worker.app import WorkerSettings, create_worker_app
-from participants import FileTokenStagingStore, ModelParticipant
+from participants import FileTokenStagingStore, ModelParticipant, live_ledger_keys
 from protocols import encode, render_prompt
 
 pytestmark = pytest.mark.anyio
@@ -240,7 +240,7 @@ async def test_bad_requests_are_refused_before_anything_changes(tmp_path: Path) 
         assert not app.state.policy.participant.served
     assert [r.status_code for r in (bad_key, framing, extra)] == [400, 422, 422]
     assert bad_key.json()["error"]["code"] == "invalid_rollout_id"
-    assert not (tmp_path / "ledger" / "r1.lineage.jsonl").exists()
+    assert "r1" not in live_ledger_keys(tmp_path / "ledger")
 
 
 async def test_a_call_waiting_at_admission_when_its_attempt_is_retired_gets_stale_attempt(

@@ -1,6 +1,7 @@
-"""A child process for the ledger's process tests: one ``FileCaptureLedger`` on a shared directory.
+"""A child process for the ledger's process tests: one durable ledger on a shared directory.
 
-Usage: ``python -m tests.participants.ledger_worker DIR``, then commands on stdin, one a line:
+Usage: ``python -m tests.participants.ledger_worker DIR [file|sqlite]`` (``file`` by default),
+then commands on stdin, one a line:
 
 - ``run KEY TAG CALLS`` — record CALLS calls (ids ``TAG-<n>``); prints ``done KEY``
 - ``manifest KEY`` — prints ``retired`` or ``records <n>``
@@ -18,7 +19,7 @@ from pathlib import Path
 import anyio
 import structlog
 
-from participants import FileCaptureLedger
+from participants import FileCaptureLedger, SqliteCaptureLedger
 from protocols import RolloutRetiredError
 
 from .ledger_factory import commit
@@ -34,7 +35,9 @@ def main() -> None:
 
     # stdout carries the protocol with the parent; log lines go to stderr.
     structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
-    ledger = FileCaptureLedger(Path(sys.argv[1]), on_step=on_step)
+    layout = sys.argv[2] if len(sys.argv) > 2 else "file"
+    opened = SqliteCaptureLedger if layout == "sqlite" else FileCaptureLedger
+    ledger = opened(Path(sys.argv[1]), on_step=on_step)
     print("ready", flush=True)
     for line in sys.stdin:
         words = line.split()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
-from participants import FileCaptureLedger, MemoryCaptureLedger
+from participants import FileCaptureLedger, MemoryCaptureLedger, SqliteCaptureLedger
 from participants._ledger.common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
 from protocols import (
     CaptureLedger,
@@ -25,14 +26,18 @@ from .ledger_factory import commit, conversation
 
 pytestmark = pytest.mark.anyio
 
-Ledger = FileCaptureLedger | MemoryCaptureLedger
+Ledger = FileCaptureLedger | MemoryCaptureLedger | SqliteCaptureLedger
 
 
-@pytest.fixture(params=["file", "memory"])
+@pytest.fixture(params=["file", "memory", "sqlite"])
 def ledger(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Ledger]:
-    made: Ledger = (
-        FileCaptureLedger(tmp_path / "ledger") if request.param == "file" else MemoryCaptureLedger()
-    )
+    made: Ledger
+    if request.param == "file":
+        made = FileCaptureLedger(tmp_path / "ledger")
+    elif request.param == "sqlite":
+        made = SqliteCaptureLedger(tmp_path / "ledger")
+    else:
+        made = MemoryCaptureLedger()
     yield made
     made.close()
 
@@ -41,6 +46,12 @@ def plant_fence(ledger: Ledger, key: str) -> None:
     """A fence appearing beside a live ledger: what retire's first phase leaves for a moment."""
     if isinstance(ledger, FileCaptureLedger):
         (ledger.root / f"{key}.lineage.retired").touch()
+    elif isinstance(ledger, SqliteCaptureLedger):
+        with sqlite3.connect(ledger.path) as conn:
+            conn.execute(
+                "INSERT INTO marks (key, rollout, attempt, fenced, started) VALUES (?, ?, 0, 1, 0)",
+                (key, key),
+            )
     else:
         ledger._fences.add(key)
 

@@ -1,0 +1,586 @@
+"""The SQLite capture ledger: every ledger of a model server in one database file (WAL mode).
+
+One file, ``<root>/ledger.sqlite3``, shared by every process of the server, holds two tables:
+``rows`` (one row per ledger line, in commit order by an ``AUTOINCREMENT`` sequence that is never
+reused) and ``marks`` (per capture key: a fence and a start marker). Each write is one transaction
+made durable by one fsync of the write-ahead log (``synchronous=FULL``), so
+
+- a group of appends from many rollouts costs one fsync, not one per ledger;
+- a retire fences and removes its ledgers in one transaction: no moment exists where a ledger is
+  gone and its fence is not durable, and a SIGKILL leaves all of it or none of it;
+- an import wipes the targets and later attempts and installs its rows in one transaction;
+- no file is created per rollout, so the cost of creating an inode (D255) is gone.
+
+The rules are those of the file ledger (``docs/capture-ledger.md``); D340 records the choice and
+the measurements. The row cache is the file ledger's, keyed by sequence numbers instead of
+inodes and offsets: an entry remembers its first and last sequence, and a read asks for the first
+again and for anything after the last. Rows are only ever removed a whole key at a time and
+sequences are never reused, so a missing first row means the key was removed (and perhaps used
+again) since, and the entry is read afresh.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import queue
+import sqlite3
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Final, Literal
+
+import anyio.to_thread
+import structlog
+
+from protocols import (
+    CaptureLedgerCommit,
+    LineageResolution,
+    RequestItems,
+    RolloutManifest,
+    RolloutRemoval,
+    RolloutRetiredError,
+    custody_row,
+    encode_row,
+    failure_row,
+    manifest_from_rows,
+    resolve_explicit_rows,
+    resolve_rows,
+    validate_ledger_key,
+    validate_ledger_keys,
+)
+
+from .._storage.durable import make_directory_durable
+from .cache import DEFAULT_MAX_CACHED_ROLLOUTS, DEFAULT_MAX_CACHED_ROWS, RowCache
+from .cache import CachedLedger as _Cached
+from .common import (
+    check_repeat,
+    doomed_keys,
+    encode_ledger_rows,
+    removal_result,
+    split_attempt,
+    unlink_if_present,
+)
+from .group import GroupCommitter, PendingAppend
+from .layout import SQLITE_DATABASE, refuse_other_layout
+from .locks import StripedThreadLocks
+from .removal import RETIRE_STEPS
+
+_log = structlog.get_logger("midflight.ledger")
+
+DATABASE_NAME: Final = SQLITE_DATABASE
+SCHEMA_VERSION: Final = 1
+BUSY_TIMEOUT_S: Final = 30.0
+"""How long a write waits for another process's transaction before it fails."""
+DEFAULT_MAX_COMMIT_BATCH: Final = 1024
+"""Most appends one transaction commits: one group is one fsync."""
+
+_SCHEMA: Final = """
+CREATE TABLE IF NOT EXISTS rows (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    key TEXT NOT NULL,
+    rollout TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    line BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS rows_by_key ON rows (key, seq);
+CREATE INDEX IF NOT EXISTS rows_by_rollout ON rows (rollout, attempt);
+CREATE TABLE IF NOT EXISTS marks (
+    key TEXT PRIMARY KEY,
+    rollout TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    fenced INTEGER NOT NULL,
+    started INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS marks_by_rollout ON marks (rollout, attempt);
+"""
+_READ_ALL: Final = "SELECT seq, line FROM rows WHERE key = ? ORDER BY seq"
+_READ_SINCE: Final = (
+    "SELECT seq, line FROM rows WHERE key = ? AND (seq = ? OR seq > ?) ORDER BY seq"
+)
+_INSERT: Final = "INSERT INTO rows (key, rollout, attempt, line) VALUES (?, ?, ?, ?)"
+_FENCED: Final = "SELECT fenced, started FROM marks WHERE key = ?"
+_MARK: Final = (
+    "INSERT INTO marks (key, rollout, attempt, fenced, started) VALUES (?, ?, ?, ?, ?) "
+    "ON CONFLICT (key) DO UPDATE SET fenced = max(fenced, excluded.fenced), "
+    "started = max(started, excluded.started)"
+)
+_RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
+
+_Fetched = list[tuple[int, bytes]]
+
+
+def _parse(lines: Sequence[bytes]) -> list[dict[str, Any]]:
+    """The rows of encoded lines, parsed as one JSON array (D257)."""
+    if not lines:
+        return []
+    rows: list[dict[str, Any]] = json.loads(b"[" + b",".join(lines) + b"]")
+    return rows
+
+
+def _copy_entry(entry: _Cached) -> _Cached:
+    """A cache entry to stage rows on without touching the one readers see."""
+    return _Cached(
+        inode=entry.inode,
+        offset=entry.offset,
+        rows=list(entry.rows),
+        by_call_id={call: list(rows) for call, rows in entry.by_call_id.items()},
+    )
+
+
+def _mark(key: str, *, fenced: int, started: int) -> tuple[str, str, int, int, int]:
+    rollout, attempt = split_attempt(key)
+    return key, rollout, attempt, fenced, started
+
+
+class SqliteCaptureLedger:
+    """A capture ledger in one SQLite database, safe for many threads and processes.
+
+    Args:
+        root: The ledger directory (created if missing); the database is ``ledger.sqlite3``.
+        max_cached_rollouts: Bound of the row cache, in ledgers.
+        max_cached_rows: Bound of the row cache, in rows.
+        on_step: Called with each name of ``RETIRE_STEPS`` inside the retire's transaction
+            (tests only).
+        max_commit_batch: Most appends one transaction commits.
+        synchronous: SQLite's ``synchronous`` setting. ``FULL`` (a commit is on disk before it
+            returns) is what every rule needs; ``OFF`` is for CPU benchmarks only, as
+            ``bench hotpath`` stubs ``os.fsync`` for the file layout.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        *,
+        max_cached_rollouts: int = DEFAULT_MAX_CACHED_ROLLOUTS,
+        max_cached_rows: int = DEFAULT_MAX_CACHED_ROWS,
+        on_step: Callable[[str], None] | None = None,
+        max_commit_batch: int = DEFAULT_MAX_COMMIT_BATCH,
+        synchronous: Literal["FULL", "OFF"] = "FULL",
+    ) -> None:
+        if synchronous not in ("FULL", "OFF"):
+            raise ValueError("synchronous must be FULL or OFF")
+        self._synchronous = synchronous
+        self.root = Path(root)
+        make_directory_durable(self.root)
+        self.path = self.root / DATABASE_NAME
+        refuse_other_layout(self.root, this="sqlite")
+        self._cache = RowCache(max_cached_rollouts, max_cached_rows)
+        # A key's cache entry is refreshed by one thread at a time; the commit thread stages
+        # its rows on a copy and installs it only once the transaction is durable.
+        self._locks = StripedThreadLocks()
+        self._on_step = on_step or (lambda _name: None)
+        self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
+        self._all: list[sqlite3.Connection] = []
+        self._guard = threading.Lock()
+        # One writer per process at a time: SQLite's busy handler sleeps in milliseconds, so
+        # this process's writers queue here and only other processes meet the busy timeout.
+        self._write_lock = threading.Lock()
+        self._closed = False
+        self._create()
+        # One thread commits every queued append: SQLite takes one writer at a time anyway,
+        # and one transaction for everything queued is one fsync for all of it.
+        self._committer = GroupCommitter(self._commit_group, shards=1, max_batch=max_commit_batch)
+
+    # -- connections ---------------------------------------------------------------------------
+
+    def _create(self) -> None:
+        new = not self.path.exists()
+        with self._connection() as conn, self._write_lock:
+            conn.execute("PRAGMA journal_mode = WAL")
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version not in (0, SCHEMA_VERSION):
+                raise RuntimeError(
+                    f"{self.path} holds ledger schema {version}; this code reads {SCHEMA_VERSION}"
+                )
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        conn.execute(statement)
+                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        if new:
+            make_directory_durable(self.root)  # the database's name survives a crash too
+
+    def _open(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(
+            self.path,
+            timeout=BUSY_TIMEOUT_S,
+            isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE … COMMIT
+            check_same_thread=False,  # a pooled connection serves one thread at a time
+            cached_statements=32,
+        )
+        # FULL: a commit is on disk before it returns (OFF only for CPU benchmarks).
+        conn.execute(f"PRAGMA synchronous = {self._synchronous}")
+        with self._guard:
+            if self._closed:
+                conn.close()
+                raise RuntimeError("the capture ledger is closed")
+            self._all.append(conn)
+        return conn
+
+    @contextmanager
+    def _connection(self) -> Iterator[sqlite3.Connection]:
+        if self._closed:
+            raise RuntimeError("the capture ledger is closed")
+        try:
+            conn = self._idle.get_nowait()
+        except queue.Empty:
+            conn = self._open()
+        try:
+            yield conn
+        finally:
+            self._idle.put(conn)
+
+    @contextmanager
+    def _writing(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, committed durably on a clean exit and rolled back otherwise."""
+        with self._connection() as conn, self._write_lock:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _refresh(self, conn: sqlite3.Connection, key: str) -> _Cached | None:
+        """The cached rows of ``key`` brought up to date; ``None`` when it has no row."""
+        entry = self._cache.get(key)
+        if entry is not None:
+            fetched: _Fetched = conn.execute(
+                _READ_SINCE, (key, entry.inode, entry.offset)
+            ).fetchall()
+            if fetched and fetched[0][0] == entry.inode:
+                fresh = [line for seq, line in fetched if seq > entry.offset]
+                if fresh:
+                    for row in _parse(fresh):
+                        entry.add(row)
+                    entry.offset = fetched[-1][0]
+                    self._cache.store(key, entry)
+                return entry
+            self._cache.pop(key)  # its first row is gone: removed (and maybe reused) since
+        fetched = conn.execute(_READ_ALL, (key,)).fetchall()
+        if not fetched:
+            return None
+        entry = _Cached(inode=fetched[0][0], offset=fetched[-1][0])
+        for row in _parse([line for _, line in fetched]):
+            entry.add(row)
+        self._cache.store(key, entry)
+        return entry
+
+    def _rows(self, conn: sqlite3.Connection, key: str, *, keep: bool) -> list[dict[str, Any]]:
+        """A copy of the rows of ``key``; ``keep=False`` leaves an uncached ledger uncached
+        (D256)."""
+        if keep or key in self._cache:
+            with self._locks.hold(key):
+                entry = self._refresh(conn, key)
+                return [] if entry is None else list(entry.rows)
+        return _parse([line for _, line in conn.execute(_READ_ALL, (key,)).fetchall()])
+
+    @staticmethod
+    def _fenced(conn: sqlite3.Connection, key: str) -> bool:
+        mark = conn.execute(_FENCED, (key,)).fetchone()
+        return bool(mark and mark[0])
+
+    def _read(self, key: str, *, keep: bool) -> list[dict[str, Any]] | None:
+        """The rows of ``key``, or ``None`` when it has none and is retired.
+
+        Rows are read before the fence: a retire removes rows and fences in one transaction, so
+        rows seen mean "not retired when read", and no rows with a fence seen after means
+        retired by then.
+        """
+        with self._connection() as conn:
+            rows = self._rows(conn, key, keep=keep)
+            if not rows and self._fenced(conn, key):
+                return None
+            return rows
+
+    def _manifest_rows(self, key: str) -> list[dict[str, Any]]:
+        rows = self._read(key, keep=False)
+        if rows is None:
+            raise RolloutRetiredError(f"the capture ledger of {key!r} is retired")
+        return rows
+
+    async def manifest(self, rollout_id: str) -> RolloutManifest:
+        """The manifest of ``rollout_id``; empty when it has no ledger.
+
+        Raises:
+            RolloutRetiredError: The key is retired.
+        """
+        key = validate_ledger_key(rollout_id)
+        rows = await anyio.to_thread.run_sync(self._manifest_rows, key)
+        return manifest_from_rows(key, rows)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether the key has any row. Raises ``RolloutRetiredError`` when retired."""
+        key = validate_ledger_key(rollout_id)
+        return bool(await anyio.to_thread.run_sync(self._manifest_rows, key))
+
+    async def resolve(self, rollout_id: str, request_items: RequestItems) -> LineageResolution:
+        """Which recorded call of ``rollout_id`` the request continues."""
+        key = validate_ledger_key(rollout_id)
+        rows = await anyio.to_thread.run_sync(lambda: self._read(key, keep=True))
+        return _RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
+
+    async def resolve_explicit(
+        self, source_capture_key: str, parent_call_id: str, request_items: RequestItems
+    ) -> LineageResolution:
+        """Check that the request continues ``parent_call_id`` of ``source_capture_key``."""
+        key = validate_ledger_key(source_capture_key)
+        rows = await anyio.to_thread.run_sync(lambda: self._read(key, keep=True))
+        if rows is None:
+            return _RETIRED_UNRESOLVED
+        return resolve_explicit_rows(rows, parent_call_id, request_items)
+
+    def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
+        """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""
+        key = validate_ledger_key(rollout_id)
+        with self._connection() as conn:
+            with self._locks.hold(key):
+                if key in self._cache:  # the cache's rows are shared: hand out copies
+                    entry = self._refresh(conn, key)
+                    return [] if entry is None else copy.deepcopy(entry.rows)
+            return _parse([line for _, line in conn.execute(_READ_ALL, (key,)).fetchall()])
+
+    def cache_sizes(self) -> dict[str, int]:
+        """Sizes of the row cache (``ledger_rollouts``, ``ledger_rows``) for the metric."""
+        return self._cache.sizes()
+
+    # -- writing -------------------------------------------------------------------------------
+
+    def _stage_key(
+        self, conn: sqlite3.Connection, key: str, items: list[PendingAppend]
+    ) -> tuple[list[PendingAppend], _Cached | None]:
+        """Which rows of one key are written (repeats and late rows are no-ops), and the key's
+        cache entry with them, a copy to install once they are durable. Inside the transaction:
+        no other writer can change the key meanwhile."""
+        with self._locks.hold(key):
+            cached = self._refresh(conn, key)
+            entry = None if cached is None else _copy_entry(cached)
+        fenced: bool | None = None
+        staged: list[PendingAppend] = []
+        for item in items:
+            row = item.row
+            if entry is not None and entry.rows:
+                try:
+                    if check_repeat(entry.by_call_id.get(row["model_call_id"]), row, item.failure):
+                        continue
+                except ValueError as exc:
+                    item.error = exc  # this caller's conflict; its neighbours go on
+                    continue
+            else:
+                # A retire removes the rows and writes the fence in one transaction, so rows
+                # mean "not retired"; only an empty ledger needs the fence read.
+                if fenced is None:
+                    fenced = self._fenced(conn, key)
+                if fenced:
+                    _log.warning(
+                        "ledger_late_write_discarded",
+                        rollout_id=key,
+                        model_call_id=row["model_call_id"],
+                        staging_key=item.staging_key,
+                    )
+                    continue
+            if entry is None:
+                entry = _Cached(inode=0, offset=0)
+            entry.add(row)  # later rows of this group see it (repeats, conflicts)
+            staged.append(item)
+        return staged, entry
+
+    def _commit_group(self, group: list[PendingAppend]) -> None:
+        """Commit a group from the commit thread in one transaction, then wake its callers."""
+        by_key: dict[str, list[PendingAppend]] = {}
+        for item in group:
+            by_key.setdefault(item.key, []).append(item)
+        entries: dict[str, _Cached] = {}
+        try:
+            with self._writing() as conn:
+                for key, items in by_key.items():
+                    staged, entry = self._stage_key(conn, key, items)
+                    if not staged:
+                        continue
+                    assert entry is not None
+                    rollout, attempt = split_attempt(key)
+                    for item in staged:
+                        seq = conn.execute(_INSERT, (key, rollout, attempt, item.line)).lastrowid
+                        assert seq is not None
+                        if entry.inode == 0:
+                            entry.inode = seq
+                        entry.offset = seq
+                    entries[key] = entry
+        except Exception as exc:  # the transaction failed: nothing of it is on disk
+            for item in group:
+                if item.error is None:
+                    item.error = exc
+        else:
+            for key, entry in entries.items():
+                with self._locks.hold(key):
+                    self._cache.store(key, entry)
+        for item in group:
+            item.settle()  # after the commit: a woken caller's row is durable
+
+    async def _submit(self, key: str, row: dict[str, Any], *, failure: bool, staging: str) -> None:
+        item = PendingAppend(key, row, encode_row(row), failure, staging)
+        await self._committer.submit(item, 0)
+
+    async def record(self, commit: CaptureLedgerCommit) -> None:
+        """Append a committed call; an identical repeat is a no-op.
+
+        Raises:
+            ValueError: A different row with the same ``model_call_id`` exists ("conflicting").
+        """
+        row = custody_row(commit)
+        await self._submit(commit.rollout_id, row, failure=False, staging=commit.record.staging_key)
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Append a failure row; an identical one already present is a no-op."""
+        key = validate_ledger_key(rollout_id)
+        await self._submit(key, failure_row(model_call_id, reason), failure=True, staging="")
+
+    def _append(self, key: str, row: dict[str, Any], *, failure: bool, staging_key: str) -> None:
+        """Append one row from the calling thread (tests). Blocking."""
+        item = PendingAppend(key, row, encode_row(row), failure, staging_key)
+        self._commit_group([item])
+        if item.error is not None:
+            raise item.error
+
+    # -- removal -------------------------------------------------------------------------------
+
+    def _retire(self, keys: list[str]) -> RolloutRemoval:
+        removed: set[str] = set()
+        try:
+            with self._writing() as conn:
+                conn.executemany(_MARK, [_mark(key, fenced=1, started=0) for key in keys])
+                self._on_step(RETIRE_STEPS[0])
+                for key in keys:
+                    if conn.execute("DELETE FROM rows WHERE key = ?", (key,)).rowcount:
+                        removed.add(key)
+                self._on_step(RETIRE_STEPS[1])
+        finally:
+            for key in keys:
+                self._cache.pop(key)
+        return removal_result(keys, removed)
+
+    def _remove(self, keys: list[str], *, unless_started: bool) -> RolloutRemoval:
+        removed: set[str] = set()
+        skipped: set[str] = set()
+        try:
+            with self._writing() as conn:
+                for key in keys:
+                    if unless_started:
+                        mark = conn.execute(_FENCED, (key,)).fetchone()
+                        if mark and mark[1]:
+                            skipped.add(key)
+                            continue
+                    if conn.execute("DELETE FROM rows WHERE key = ?", (key,)).rowcount:
+                        removed.add(key)
+                    conn.execute("DELETE FROM marks WHERE key = ?", (key,))
+        finally:
+            for key in keys:
+                self._cache.pop(key)
+        return removal_result(keys, removed, skipped)
+
+    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
+        """Fence every key and remove its ledger, in one durable transaction.
+
+        Raises:
+            TypeError: ``rollout_ids`` is a bare string.
+            InvalidRolloutIdError: Any id is invalid; nothing changed.
+        """
+        keys = validate_ledger_keys(rollout_ids)
+        if not keys:
+            return RolloutRemoval()
+        return await anyio.to_thread.run_sync(self._retire, keys)
+
+    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
+        """Remove ledgers, fences, start markers and cached rows; the keys read as unused."""
+        keys = validate_ledger_keys(rollout_ids)
+        if not keys:
+            return RolloutRemoval()
+        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=False))
+
+    async def delete_unstarted(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
+        """``delete`` for keys without a start marker; started keys are in neither list."""
+        keys = validate_ledger_keys(rollout_ids)
+        if not keys:
+            return RolloutRemoval()
+        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=True))
+
+    def _mark_started(self, key: str) -> bool:
+        with self._writing() as conn:
+            if self._fenced(conn, key):
+                return False  # a retired attempt's calls are refused; its marker would linger
+            conn.execute(_MARK, _mark(key, fenced=0, started=1))
+            return True
+
+    async def mark_started(self, rollout_id: str) -> bool:
+        """Mark a restored attempt started; ``False`` (no marker) when the key is retired."""
+        key = validate_ledger_key(rollout_id)
+        return await anyio.to_thread.run_sync(self._mark_started, key)
+
+    # -- restore -------------------------------------------------------------------------------
+
+    def import_rows(self, rollout_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
+        """``import_rows_many({rollout_id: rows})``. Blocking."""
+        self.import_rows_many({rollout_id: rows})
+
+    def import_rows_many(self, ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
+        """Install whole ledgers on a fresh server in one transaction. Blocking.
+
+        The rows, fences and start markers of each target and of every later attempt of the same
+        rollout belong to executions that died after an earlier restore; they go in the same
+        transaction that installs the new rows, so a crash leaves the old state or the new.
+
+        Raises:
+            TypeError: ``ledgers`` is not a mapping.
+            InvalidRolloutIdError: A key is invalid; nothing changed.
+            ValueError: A row is malformed; nothing changed.
+        """
+        encoded = encode_ledger_rows(ledgers)
+        floors: dict[str, int] = {}
+        inserts: list[tuple[str, str, int, bytes]] = []
+        for key, lines in encoded.items():
+            rollout, attempt = split_attempt(key)
+            floors[rollout] = min(attempt, floors.get(rollout, attempt))
+            inserts.extend((key, rollout, attempt, line) for line in lines)
+        # Capture files a file-layout execution left in this directory (tokens, old ledgers).
+        for key, suffixes in doomed_keys(os.listdir(self.root), list(encoded)).items():
+            for suffix in suffixes:
+                unlink_if_present(str(self.root / f"{key}{suffix}"))
+        try:
+            with self._writing() as conn:
+                wipe = list(floors.items())
+                conn.executemany("DELETE FROM rows WHERE rollout = ? AND attempt >= ?", wipe)
+                conn.executemany("DELETE FROM marks WHERE rollout = ? AND attempt >= ?", wipe)
+                conn.executemany(_INSERT, inserts)
+        finally:
+            for key in encoded:
+                self._cache.pop(key)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def commit_threads(self) -> int:
+        """How many threads commit appends (one: SQLite has one writer at a time)."""
+        return self._committer.shards
+
+    def close(self) -> None:
+        """Commit queued appends, drop the cache and close every connection; the file stays."""
+        self._committer.close()
+        self._cache.clear()
+        with self._guard:
+            self._closed = True
+            connections, self._all = self._all, []
+        for conn in connections:
+            conn.close()

@@ -33,6 +33,7 @@ from ._control import (
 )
 from ._cuts import (
     GENERATION_CUT_PATH,
+    VERIFIED_INVENTORY,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -216,6 +217,7 @@ __all__ = [
     "S3_SCHEME",
     "SPAN_PREFIX",
     "TRACEPARENT_HEADER",
+    "VERIFIED_INVENTORY",
     "WAIT_READY_SPAN",
     "WORKER_CUT_SPAN",
     "WRITE_SPAN",

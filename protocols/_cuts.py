@@ -15,9 +15,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, Final, Literal, Self
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
-from ._ids import CheckpointId, EpisodeId, RolloutId
+from ._ids import MAX_ATTEMPT, CheckpointId, EpisodeId, RolloutId
 from ._strict import (
     DigestHex,
     ExactFloat,
@@ -30,9 +30,27 @@ from ._strict import (
 GENERATION_CUT_PATH: Final = "/ng-control/v1/generation-cut"
 """Where a worker takes a cut inventory (``POST``, bearer control token), below its control root."""
 
+VERIFIED_INVENTORY: Final = "midflight.verified_inventory"
+"""Validation-context key: an inventory whose digest is already checked.
+
+A receipt validated with ``context={VERIFIED_INVENTORY: inventory}`` (the worker embedding the
+inventory it parsed, the policy server reading its worker's answer before ``validate_for``) does
+not compute its embedded inventory's digest again when that inventory equals ``inventory``: the
+digest is a canonical JSON and a SHA-256 of every prefix, the largest single cost of a cut round
+at thousands of calls.
+"""
+_BUILT_DIGEST: Final = "midflight.inventory_digest_built"
+
 CutDisposition = Literal["durable_prefix", "durable_failure"]
 CutKind = Literal["active_prefix", "terminal_completion"]
 FinishReason = Literal["stop", "length"]
+
+
+def capture_key_of(rollout_id: str, attempt: int) -> str:
+    """``EpisodeId.capture_key`` of fields a wire model has validated already (no new model)."""
+    if attempt > MAX_ATTEMPT:
+        return EpisodeId(rollout_id=rollout_id, attempt=attempt).capture_key  # raises, as ever
+    return rollout_id if attempt == 0 else f"{rollout_id}-a{attempt}"
 
 
 def _unique(values: Sequence[str], what: str) -> None:
@@ -60,7 +78,7 @@ class GenerationCutPrefix(StrictWireModel):
     @property
     def capture_key(self) -> str:
         """The capture key of the call's attempt."""
-        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt).capture_key
+        return capture_key_of(self.rollout_id, self.attempt)
 
     def identity(self) -> tuple[str, str, int, str, float]:
         """``(ticket_id, rollout_id, attempt, model_call_id, admitted_at)``: what an ack repeats."""
@@ -111,19 +129,44 @@ class GenerationCutInventory(StrictWireModel):
     ) -> Self:
         """The inventory of these prefixes, sorted by ticket, with its digest."""
         prefixes = sorted(active_prefixes, key=lambda prefix: prefix.ticket_id)
-        return cls(
-            checkpoint_id=checkpoint_id,
-            server_name=server_name,
-            active_prefixes=prefixes,
-            inventory_digest=inventory_digest(checkpoint_id, server_name, prefixes),
+        digest = inventory_digest(checkpoint_id, server_name, prefixes)
+        # Validated with the digest just computed from these very prefixes: not computed twice.
+        return cls.model_validate(
+            {
+                "checkpoint_id": checkpoint_id,
+                "server_name": server_name,
+                "active_prefixes": prefixes,
+                "inventory_digest": digest,
+            },
+            context={_BUILT_DIGEST: digest},
+        )
+
+    def _same_as_verified(self, context: object) -> bool:
+        """Whether ``context`` names an already verified inventory equal to this one."""
+        if not isinstance(context, dict):
+            return False
+        verified = context.get(VERIFIED_INVENTORY)
+        if verified is self:
+            return True
+        return (
+            isinstance(verified, GenerationCutInventory)
+            and verified.inventory_digest == self.inventory_digest
+            and verified.checkpoint_id == self.checkpoint_id
+            and verified.server_name == self.server_name
+            and verified.active_prefixes == self.active_prefixes
         )
 
     @model_validator(mode="after")
-    def _check_digest(self) -> Self:
+    def _check_digest(self, info: ValidationInfo) -> Self:
+        if self._same_as_verified(info.context):
+            return self
         tickets = [prefix.ticket_id for prefix in self.active_prefixes]
         if tickets != sorted(tickets):
             raise ValueError("active_prefixes must be sorted by ticket_id")
         _unique(tickets, "ticket ids")
+        built = info.context.get(_BUILT_DIGEST) if isinstance(info.context, dict) else None
+        if built is not None and built == self.inventory_digest:
+            return self  # build() computed it from these prefixes a moment ago
         expected = inventory_digest(self.checkpoint_id, self.server_name, self.active_prefixes)
         if self.inventory_digest != expected:
             raise ValueError("inventory_digest does not match the inventory")
@@ -188,7 +231,7 @@ class GenerationCutPrefixAck(StrictWireModel):
     @property
     def capture_key(self) -> str:
         """The capture key of the call's attempt."""
-        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt).capture_key
+        return capture_key_of(self.rollout_id, self.attempt)
 
     def continuation(self) -> GenerationCutContinuation:
         """What a replacement call carries to continue this cut.

@@ -17,6 +17,7 @@ import structlog
 from protocols import (
     ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
+    VERIFIED_INVENTORY,
     AbortCallsRequest,
     CaptureAdmission,
     CheckpointCoordinatorUnavailableError,
@@ -97,7 +98,11 @@ class HttpCutRequester:
             timeout=max(budget_seconds, 0.001),
         )
         response.raise_for_status()
-        return GenerationCutReceipt.model_validate_json(response.content)
+        # Its embedded inventory is compared with ours by validate_for (the participant's next
+        # step), so ours, already verified, spares digesting it again.
+        return GenerationCutReceipt.model_validate_json(
+            response.content, context={VERIFIED_INVENTORY: inventory}
+        )
 
     async def abort(self, backend: str, model_call_ids: list[str]) -> None:
         """Stop these calls on ``backend`` and wait until they left (D245).

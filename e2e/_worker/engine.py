@@ -30,6 +30,7 @@ from participants import (
     rebuild_generation_cut,
 )
 from protocols import (
+    VERIFIED_INVENTORY,
     CaptureAdmission,
     CommitCoords,
     CompletionReply,
@@ -353,16 +354,20 @@ class WorkerEngine:
                         # A cut is optional: its failure only costs regeneration after a restore.
                         _log.exception("a generation-cut batch of %d call(s) failed", len(batch))
         cut_id = uuid.uuid4().hex
-        return GenerationCutReceipt(
-            checkpoint_id=inventory.checkpoint_id,
-            cut_id=cut_id,
-            inventory_digest=inventory.inventory_digest,
-            inventory=inventory,
-            backend_snapshot_id=f"{self.name}/{cut_id}",
-            prefixes=[
-                acks.get(prefix.ticket_id) or GenerationCutPrefixAck.failure(prefix)
-                for prefix in prefixes
-            ],
+        # The inventory was verified when its request was parsed: not digested again here.
+        return GenerationCutReceipt.model_validate(
+            {
+                "checkpoint_id": inventory.checkpoint_id,
+                "cut_id": cut_id,
+                "inventory_digest": inventory.inventory_digest,
+                "inventory": inventory,
+                "backend_snapshot_id": f"{self.name}/{cut_id}",
+                "prefixes": [
+                    acks.get(prefix.ticket_id) or GenerationCutPrefixAck.failure(prefix)
+                    for prefix in prefixes
+                ],
+            },
+            context={VERIFIED_INVENTORY: inventory},
         )
 
 

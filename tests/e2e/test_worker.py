@@ -485,3 +485,26 @@ async def test_unpaced_decoding_yields_once_per_chunk_not_per_token(
     assert reply.status_code == 200
     assert reply.json()["token_ids"] == generate_tokens(0, PROMPT, 0, 200)
     assert len(yields) == 4  # 200 tokens, one yield per 64 (D253)
+
+
+async def test_the_worker_digests_a_cut_inventory_once_when_it_parses_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import protocols._cuts as cuts
+
+    digests: list[str] = []
+    real = cuts.inventory_digest
+
+    def counting(*args: Any) -> str:
+        digests.append(real(*args))
+        return digests[-1]
+
+    async with worker(tmp_path, token_delay_ms=0) as (client, _engine):
+        inventory = _inventory(("c1", "r1", 0), ("c2", "r2", 0))
+        monkeypatch.setattr(cuts, "inventory_digest", counting)
+        reply = await client.post("/ng-control/v1/generation-cut", json=inventory, headers=AUTH)
+        assert reply.status_code == 200, reply.text
+        assert len(digests) == 1  # the request's parse; the receipt embeds it unchecked
+        receipt = GenerationCutReceipt.model_validate_json(reply.content)
+        assert len(digests) == 2  # a reader without the verified inventory still checks
+        assert receipt.inventory.inventory_digest == inventory["inventory_digest"]

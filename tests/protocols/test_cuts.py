@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from protocols import (
+    VERIFIED_INVENTORY,
     GenerationCutInventory,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
@@ -247,3 +248,72 @@ def test_continuation_refusals(changes: dict[str, Any]) -> None:
     }
     with pytest.raises(ValidationError):
         GenerationCutContinuation.model_validate(fields)
+
+
+def _receipt_json(inventory: GenerationCutInventory, **embedded: Any) -> str:
+    body = {
+        "checkpoint_id": inventory.checkpoint_id,
+        "cut_id": "cut-1",
+        "inventory_digest": inventory.inventory_digest,
+        "inventory": inventory.model_dump(mode="json") | embedded,
+        "backend_snapshot_id": "worker/cut-1",
+        "prefixes": [
+            GenerationCutPrefixAck.failure(p).model_dump(mode="json")
+            for p in inventory.active_prefixes
+        ],
+    }
+    return json.dumps(body)
+
+
+@pytest.fixture
+def digests(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many times the inventory digest is computed."""
+    import protocols._cuts as cuts
+
+    counted = [0]
+    real = cuts.inventory_digest
+
+    def counting(*args: Any) -> str:
+        counted[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(cuts, "inventory_digest", counting)
+    return counted
+
+
+def test_a_cut_round_digests_its_inventory_once_when_built_and_once_when_parsed(
+    digests: list[int],
+) -> None:
+    inventory = _inventory()
+    assert digests[0] == 1  # build: computed, not checked again
+    parsed = GenerationCutInventory.model_validate_json(inventory.model_dump_json())
+    assert digests[0] == 2  # the worker's parse of an untrusted body: checked
+    receipt = GenerationCutReceipt.model_validate_json(
+        _receipt_json(parsed), context={VERIFIED_INVENTORY: inventory}
+    )
+    receipt.validate_for(inventory)
+    assert digests[0] == 2  # the receipt embeds an inventory equal to the verified one
+    GenerationCutReceipt.model_validate_json(_receipt_json(parsed))
+    assert digests[0] == 3  # without the context it is checked, as before
+
+
+def test_a_verified_inventory_in_the_context_never_excuses_a_different_embedded_one() -> None:
+    inventory = _inventory()
+    forged = _receipt_json(inventory, server_name="other")  # its digest no longer matches
+    with pytest.raises(ValidationError, match="inventory_digest does not match"):
+        GenerationCutReceipt.model_validate_json(forged, context={VERIFIED_INVENTORY: inventory})
+    reordered = _receipt_json(
+        inventory,
+        active_prefixes=[p.model_dump(mode="json") for p in inventory.active_prefixes[::-1]],
+    )
+    with pytest.raises(ValidationError, match="sorted by ticket_id"):
+        GenerationCutReceipt.model_validate_json(reordered, context={VERIFIED_INVENTORY: inventory})
+
+
+def test_build_still_refuses_duplicate_tickets_without_digesting_twice() -> None:
+    with pytest.raises(ValidationError, match="ticket ids must be unique"):
+        GenerationCutInventory.build(
+            checkpoint_id="ckpt-1",
+            server_name="policy",
+            active_prefixes=[_prefix("t1", "c1"), _prefix("t1", "c2")],
+        )

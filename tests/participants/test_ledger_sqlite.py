@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import sqlite3
+import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,7 @@ from participants import (
     live_ledger_keys,
 )
 from participants._ledger.removal import RETIRE_STEPS
-from protocols import RolloutRetiredError
+from protocols import RolloutRetiredError, custody_row
 
 from .ledger_factory import commit
 
@@ -178,23 +180,30 @@ async def test_live_ledger_keys_reads_either_layout_and_writes_nothing(
         ledger.close()
 
 
-async def test_readers_racing_the_commit_thread_never_cache_a_row_twice(
+def test_threads_refreshing_one_ledger_never_cache_a_row_twice(
     ledger: SqliteCaptureLedger,
 ) -> None:
-    calls = 30
-    await ledger.record(commit("r", 0))
+    calls = 150
+    ledger._append("r", custody_row(commit("r", 0)), failure=False, staging_key="s")
+    stop = threading.Event()
 
-    async def read_until_done(done: anyio.Event) -> None:
-        while not done.is_set():
-            await ledger.resolve("r", [])
+    def read() -> None:
+        while not stop.is_set():
+            ledger._read("r", keep=True)  # each refresh parses what was appended since
 
-    done = anyio.Event()
-    async with anyio.create_task_group() as group:
-        for _ in range(16):
-            group.start_soon(read_until_done, done)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads as often as possible
+    readers = [threading.Thread(target=read) for _ in range(8)]
+    try:
+        for thread in readers:
+            thread.start()
         for turn in range(1, calls):
-            await ledger.record(commit("r", turn))
-        done.set()
-    await ledger.resolve("r", [])
-    rows = ledger.export_rows("r")  # from the cache, which every reader refreshed
+            ledger._append("r", custody_row(commit("r", turn)), failure=False, staging_key="s")
+    finally:
+        stop.set()
+        for thread in readers:
+            thread.join(30)
+        sys.setswitchinterval(interval)
+    rows = ledger._read("r", keep=True)  # from the cache every reader refreshed
+    assert rows is not None
     assert [row["model_call_id"] for row in rows] == [f"call-{t}" for t in range(calls)]

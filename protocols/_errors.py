@@ -34,6 +34,7 @@ Exception tree::
     │   └── InternalError                         500 internal_error                     retryable
     ├── CaptureError                              participants: the capture lifecycle was broken
     │   └── StreamingUnsupportedError             participants: staging takes whole responses
+    ├── LedgerLayoutError (RuntimeError)          participants: a ledger directory holds the other layout
     ├── CoordinationError                         coordinator: an operation failed on some servers
     ├── NotAParticipantError                      coordinator: the status route answered 404
     ├── PublicationConflictError                  coordinator: another publication got to the store first

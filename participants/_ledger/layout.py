@@ -12,6 +12,8 @@ import sqlite3
 from pathlib import Path
 from typing import Final
 
+from protocols import MidflightError
+
 from .common import LEDGER_SUFFIX, RETIRED_SUFFIX, STARTED_SUFFIX
 
 SQLITE_DATABASE: Final = "ledger.sqlite3"
@@ -41,7 +43,7 @@ def refuse_other_layout(root: Path, *, this: str) -> None:
                 )
 
 
-class LedgerLayoutError(RuntimeError):
+class LedgerLayoutError(MidflightError, RuntimeError):
     """A ledger directory holds the other on-disk layout."""
 
 

@@ -18,6 +18,8 @@ from protocols import AdmissionClosedError, CaptureLedger, EpisodeId, Generation
 
 from .gate import ModelGate, ModelTicket
 
+SHARE_BATCH: Final = 512
+"""Ledgers a shard reads per thread hop for its share of a commit (as the export does, D252)."""
 CLAIM_RETRY_SECONDS: Final = 0.05
 """Pause before claiming a restored cut again while the fan-out is closed but not yet this
 shard."""
@@ -50,6 +52,10 @@ async def claim_restored_cut(
     return record
 
 
+def _export_rows(ledger: CaptureLedger, keys: list[str]) -> list[list[dict[str, Any]]]:
+    return [ledger.export_rows(key) for key in keys]
+
+
 async def share_episodes(
     ledger: CaptureLedger,
     episode_ids: Collection[EpisodeId],
@@ -59,9 +65,12 @@ async def share_episodes(
 ) -> dict[str, dict[str, Any]]:
     """Each scoped episode's rows without undelivered calls, its cut, and that cut's admission."""
     episodes: dict[str, dict[str, Any]] = {}
-    for episode in sorted(set(episode_ids), key=lambda e: e.capture_key):
-        key = episode.capture_key
-        rows = await anyio.to_thread.run_sync(ledger.export_rows, key)
+    keys = sorted({episode.capture_key for episode in episode_ids})
+    exported: list[list[dict[str, Any]]] = []
+    for start in range(0, len(keys), SHARE_BATCH):  # one thread hop per batch, not per episode
+        batch = keys[start : start + SHARE_BATCH]
+        exported += await anyio.to_thread.run_sync(_export_rows, ledger, batch)
+    for key, rows in zip(keys, exported, strict=True):
         ticket = live.get(key)
         cut = ticket.cut_record if ticket is not None else restored.get(key)
         episodes[key] = {

@@ -182,3 +182,27 @@ async def test_a_restore_imports_the_shared_ledger_once_and_every_shard_reads_it
                 await model.ledger.manifest("r1")
         pending = [e.capture_key for e in made.fanout.restored_pending()]
         assert pending == ["r1-a1", "r2-a1"]
+
+
+async def test_a_shards_share_reads_its_ledgers_in_batches_not_one_thread_hop_each(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from participants import MemoryCaptureLedger
+    from participants._model import shares
+
+    ledger = MemoryCaptureLedger()
+    episodes = [EpisodeId(rollout_id=f"r{i}", attempt=0) for i in range(1100)]
+    for episode in episodes[:3]:
+        await ledger.record(commit(episode.capture_key, 0))
+    hops: list[int] = []
+    real = shares.anyio.to_thread.run_sync
+
+    async def counted(func: Any, *args: Any) -> Any:
+        hops.append(len(args[-1]))
+        return await real(func, *args)
+
+    monkeypatch.setattr(shares.anyio.to_thread, "run_sync", counted)
+    shared = await shares.share_episodes(ledger, episodes, set(), {}, {})
+    assert hops == [shares.SHARE_BATCH, shares.SHARE_BATCH, 1100 - 2 * shares.SHARE_BATCH]
+    assert sorted(shared) == sorted(e.capture_key for e in episodes)
+    assert [len(shared[e.capture_key]["rows"]) for e in episodes[:4]] == [1, 1, 1, 0]

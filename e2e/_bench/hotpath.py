@@ -44,7 +44,7 @@ from participants import (
 )
 from protocols import CompletionReply, EpisodeId, as_request_items, conversation_digest
 
-from .ledger import _ThreadHop
+from .ledger_floors import _ThreadHop
 
 STEPS: Final = ("admit", "resolve", "worker_codec", "record", "egress")
 DELTA: Final = 32

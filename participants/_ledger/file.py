@@ -14,23 +14,13 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Final
+from typing import Any
 
-import anyio.to_thread
 import structlog
 
 from protocols import (
-    CaptureLedgerCommit,
-    LineageResolution,
-    RequestItems,
-    RolloutManifest,
     RolloutRetiredError,
-    custody_row,
     encode_row,
-    failure_row,
-    manifest_from_rows,
-    resolve_explicit_rows,
-    resolve_rows,
     validate_ledger_key,
 )
 
@@ -51,8 +41,6 @@ from .locks import DEFAULT_STRIPES
 from .removal import LedgerDirectory
 
 _log = structlog.get_logger("midflight.ledger")
-
-_RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
 
 
 def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
@@ -110,6 +98,9 @@ class FileCaptureLedger(LedgerDirectory):
     def commit_threads(self) -> int:
         """How many group-commit shards (each with its own thread) append rows."""
         return self._committer.shards
+
+    def _commit_stripe(self, key: str) -> int:
+        return self._locks.stripe(key)
 
     def commit_shard(self, key: str) -> int:
         """The group-commit shard whose thread appends the rows of ``key``."""
@@ -259,28 +250,6 @@ class FileCaptureLedger(LedgerDirectory):
         if item.error is not None:
             raise item.error
 
-    async def _submit(self, key: str, row: dict[str, Any], *, failure: bool, staging: str) -> None:
-        # Encoded here, so a row JSON cannot hold fails its own caller before it is queued.
-        item = PendingAppend(key, row, encode_row(row), failure, staging)
-        await self._committer.submit(item, self._locks.stripe(key))
-
-    async def record(self, commit: CaptureLedgerCommit) -> None:
-        """Append a committed call; an identical repeat is a no-op.
-
-        Concurrent appends are committed in groups (see ``docs/capture-ledger.md``); the call
-        returns only once its row is durable.
-
-        Raises:
-            ValueError: A different row with the same ``model_call_id`` exists ("conflicting").
-        """
-        row = custody_row(commit)
-        await self._submit(commit.rollout_id, row, failure=False, staging=commit.record.staging_key)
-
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Append a failure row; an identical one already present is a no-op."""
-        key = validate_ledger_key(rollout_id)
-        await self._submit(key, failure_row(model_call_id, reason), failure=True, staging="")
-
     # -- queries ------------------------------------------------------------------------------
 
     def _manifest_rows(self, key: str) -> list[dict[str, Any]]:
@@ -289,43 +258,12 @@ class FileCaptureLedger(LedgerDirectory):
                 raise RolloutRetiredError(f"the capture ledger of {key!r} is retired")
             return list(self._rows_read_through(key) or ())
 
-    async def manifest(self, rollout_id: str) -> RolloutManifest:
-        """The manifest of ``rollout_id``; empty when it has no ledger.
-
-        Raises:
-            RolloutRetiredError: The key is retired.
-        """
-        key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(self._manifest_rows, key)
-        return manifest_from_rows(key, rows)
-
-    async def has_rows(self, rollout_id: str) -> bool:
-        """Whether the key has any row. Raises ``RolloutRetiredError`` when retired."""
-        key = validate_ledger_key(rollout_id)
-        return bool(await anyio.to_thread.run_sync(self._manifest_rows, key))
-
     def _resolvable_rows(self, key: str) -> list[dict[str, Any]] | None:
         with self._locks.hold(key):
             rows = self._rows_locked(key)
             if not rows and self._fenced(key):
                 return None
             return list(rows or ())
-
-    async def resolve(self, rollout_id: str, request_items: RequestItems) -> LineageResolution:
-        """Which recorded call of ``rollout_id`` the request continues."""
-        key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(self._resolvable_rows, key)
-        return _RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
-
-    async def resolve_explicit(
-        self, source_capture_key: str, parent_call_id: str, request_items: RequestItems
-    ) -> LineageResolution:
-        """Check that the request continues ``parent_call_id`` of ``source_capture_key``."""
-        key = validate_ledger_key(source_capture_key)
-        rows = await anyio.to_thread.run_sync(self._resolvable_rows, key)
-        if rows is None:
-            return _RETIRED_UNRESOLVED
-        return resolve_explicit_rows(rows, parent_call_id, request_items)
 
     def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
         """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""

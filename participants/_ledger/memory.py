@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any
 
 import structlog
 
@@ -39,9 +39,9 @@ from .common import (
     removal_result,
 )
 from .locks import StripedThreadLocks
+from .threaded import RETIRED_UNRESOLVED
 
 _log = structlog.get_logger("midflight.ledger")
-_RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
 
 
 class MemoryCaptureLedger:
@@ -114,7 +114,7 @@ class MemoryCaptureLedger:
     async def resolve(self, rollout_id: str, request_items: RequestItems) -> LineageResolution:
         """Which recorded call the request continues."""
         rows = self._resolvable_rows(validate_ledger_key(rollout_id))
-        return _RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
+        return RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
 
     async def resolve_explicit(
         self, source_capture_key: str, parent_call_id: str, request_items: RequestItems
@@ -122,7 +122,7 @@ class MemoryCaptureLedger:
         """Check a named parent in ``source_capture_key``'s ledger."""
         rows = self._resolvable_rows(validate_ledger_key(source_capture_key))
         if rows is None:
-            return _RETIRED_UNRESOLVED
+            return RETIRED_UNRESOLVED
         return resolve_explicit_rows(rows, parent_call_id, request_items)
 
     def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:

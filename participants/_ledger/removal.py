@@ -13,10 +13,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-import anyio.to_thread
 import structlog
 
-from protocols import RolloutRemoval, validate_ledger_key, validate_ledger_keys
+from protocols import RolloutRemoval
 
 from .._storage.durable import make_directory_durable
 from .cache import RowCache
@@ -32,6 +31,7 @@ from .common import (
 )
 from .layout import refuse_other_layout
 from .locks import StripedFileLocks
+from .threaded import ThreadedLedger
 
 _log = structlog.get_logger("midflight.ledger")
 
@@ -39,7 +39,7 @@ RETIRE_STEPS: Final = ("fences_synced", "ledgers_removed")
 """Named points of a retire; a test hook can freeze at each to prove crash safety."""
 
 
-class LedgerDirectory:
+class LedgerDirectory(ThreadedLedger):
     """One ledger directory: its paths, stripe locks, row cache, and the name-level operations.
 
     Args:
@@ -149,32 +149,6 @@ class LedgerDirectory:
         except OSError as exc:  # never mask the original error
             _log.error("ledger_sync_failed", operation=operation, error=str(exc))
 
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """Fence every key, sync, then remove their ledgers and cached rows.
-
-        Raises:
-            TypeError: ``rollout_ids`` is a bare string.
-            InvalidRolloutIdError: Any id is invalid; nothing changed.
-        """
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(self._retire, keys)
-
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """Remove ledgers, fences, start markers and cached rows; the keys read as unused."""
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=False))
-
-    async def delete_unstarted(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """``delete`` for keys without a start marker; started keys are in neither list."""
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=True))
-
     def _mark_started(self, key: str) -> bool:
         with self._locks.hold(key):
             if self._fenced(key):
@@ -184,16 +158,7 @@ class LedgerDirectory:
             self._sync_root()  # a forgotten marker would let delete_unstarted drop a live ledger
             return True
 
-    async def mark_started(self, rollout_id: str) -> bool:
-        """Mark a restored attempt started; ``False`` (no marker) when the key is retired."""
-        key = validate_ledger_key(rollout_id)
-        return await anyio.to_thread.run_sync(self._mark_started, key)
-
     # -- restore ------------------------------------------------------------------------------
-
-    def import_rows(self, rollout_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """``import_rows_many({rollout_id: rows})``. Blocking."""
-        self.import_rows_many({rollout_id: rows})
 
     def import_rows_many(self, ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
         """Install whole ledgers on a fresh server. Blocking.

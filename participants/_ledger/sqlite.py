@@ -24,32 +24,18 @@ from __future__ import annotations
 import copy
 import json
 import os
-import queue
 import sqlite3
-import threading
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import anyio.to_thread
 import structlog
 
 from protocols import (
-    CaptureLedgerCommit,
-    LineageResolution,
-    RequestItems,
-    RolloutManifest,
     RolloutRemoval,
     RolloutRetiredError,
-    custody_row,
     encode_row,
-    failure_row,
-    manifest_from_rows,
-    resolve_explicit_rows,
-    resolve_rows,
     validate_ledger_key,
-    validate_ledger_keys,
 )
 
 from .._storage.durable import make_directory_durable
@@ -67,35 +53,14 @@ from .group import GroupCommitter, PendingAppend
 from .layout import SQLITE_DATABASE, refuse_other_layout
 from .locks import StripedThreadLocks
 from .removal import RETIRE_STEPS
+from .sqlite_db import LedgerDatabase
+from .threaded import ThreadedLedger
 
 _log = structlog.get_logger("midflight.ledger")
 
 DATABASE_NAME: Final = SQLITE_DATABASE
-SCHEMA_VERSION: Final = 1
-BUSY_TIMEOUT_S: Final = 30.0
-"""How long a write waits for another process's transaction before it fails."""
 DEFAULT_MAX_COMMIT_BATCH: Final = 1024
 """Most appends one transaction commits: one group is one fsync."""
-
-_SCHEMA: Final = """
-CREATE TABLE IF NOT EXISTS rows (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    key TEXT NOT NULL,
-    rollout TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    line BLOB NOT NULL
-);
-CREATE INDEX IF NOT EXISTS rows_by_key ON rows (key, seq);
-CREATE INDEX IF NOT EXISTS rows_by_rollout ON rows (rollout, attempt);
-CREATE TABLE IF NOT EXISTS marks (
-    key TEXT PRIMARY KEY,
-    rollout TEXT NOT NULL,
-    attempt INTEGER NOT NULL,
-    fenced INTEGER NOT NULL,
-    started INTEGER NOT NULL
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS marks_by_rollout ON marks (rollout, attempt);
-"""
 _READ_ALL: Final = "SELECT seq, line FROM rows WHERE key = ? ORDER BY seq"
 _READ_SINCE: Final = (
     "SELECT seq, line FROM rows WHERE key = ? AND (seq = ? OR seq > ?) ORDER BY seq"
@@ -107,7 +72,6 @@ _MARK: Final = (
     "ON CONFLICT (key) DO UPDATE SET fenced = max(fenced, excluded.fenced), "
     "started = max(started, excluded.started)"
 )
-_RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
 
 _Fetched = list[tuple[int, bytes]]
 
@@ -135,7 +99,7 @@ def _mark(key: str, *, fenced: int, started: int) -> tuple[str, str, int, int, i
     return key, rollout, attempt, fenced, started
 
 
-class SqliteCaptureLedger:
+class SqliteCaptureLedger(ThreadedLedger):
     """A capture ledger in one SQLite database, safe for many threads and processes.
 
     Args:
@@ -160,97 +124,19 @@ class SqliteCaptureLedger:
         max_commit_batch: int = DEFAULT_MAX_COMMIT_BATCH,
         synchronous: Literal["FULL", "OFF"] = "FULL",
     ) -> None:
-        if synchronous not in ("FULL", "OFF"):
-            raise ValueError("synchronous must be FULL or OFF")
-        self._synchronous = synchronous
         self.root = Path(root)
         make_directory_durable(self.root)
-        self.path = self.root / DATABASE_NAME
         refuse_other_layout(self.root, this="sqlite")
+        self._db = LedgerDatabase(self.root / DATABASE_NAME, synchronous=synchronous)
+        self.path = self._db.path
         self._cache = RowCache(max_cached_rollouts, max_cached_rows)
         # A key's cache entry is refreshed by one thread at a time; the commit thread stages
         # its rows on a copy and installs it only once the transaction is durable.
         self._locks = StripedThreadLocks()
         self._on_step = on_step or (lambda _name: None)
-        self._idle: queue.SimpleQueue[sqlite3.Connection] = queue.SimpleQueue()
-        self._all: list[sqlite3.Connection] = []
-        self._guard = threading.Lock()
-        # One writer per process at a time: SQLite's busy handler sleeps in milliseconds, so
-        # this process's writers queue here and only other processes meet the busy timeout.
-        self._write_lock = threading.Lock()
-        self._closed = False
-        self._create()
         # One thread commits every queued append: SQLite takes one writer at a time anyway,
         # and one transaction for everything queued is one fsync for all of it.
         self._committer = GroupCommitter(self._commit_group, shards=1, max_batch=max_commit_batch)
-
-    # -- connections ---------------------------------------------------------------------------
-
-    def _create(self) -> None:
-        new = not self.path.exists()
-        with self._connection() as conn, self._write_lock:
-            conn.execute("PRAGMA journal_mode = WAL")
-            version = conn.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                raise RuntimeError(
-                    f"{self.path} holds ledger schema {version}; this code reads {SCHEMA_VERSION}"
-                )
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in _SCHEMA.split(";"):
-                    if statement.strip():
-                        conn.execute(statement)
-                conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-        if new:
-            make_directory_durable(self.root)  # the database's name survives a crash too
-
-    def _open(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(
-            self.path,
-            timeout=BUSY_TIMEOUT_S,
-            isolation_level=None,  # transactions are explicit: BEGIN IMMEDIATE … COMMIT
-            check_same_thread=False,  # a pooled connection serves one thread at a time
-            cached_statements=32,
-        )
-        # FULL: a commit is on disk before it returns (OFF only for CPU benchmarks).
-        conn.execute(f"PRAGMA synchronous = {self._synchronous}")
-        with self._guard:
-            if self._closed:
-                conn.close()
-                raise RuntimeError("the capture ledger is closed")
-            self._all.append(conn)
-        return conn
-
-    @contextmanager
-    def _connection(self) -> Iterator[sqlite3.Connection]:
-        if self._closed:
-            raise RuntimeError("the capture ledger is closed")
-        try:
-            conn = self._idle.get_nowait()
-        except queue.Empty:
-            conn = self._open()
-        try:
-            yield conn
-        finally:
-            self._idle.put(conn)
-
-    @contextmanager
-    def _writing(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction, committed durably on a clean exit and rolled back otherwise."""
-        with self._connection() as conn, self._write_lock:
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -300,11 +186,17 @@ class SqliteCaptureLedger:
         rows seen mean "not retired when read", and no rows with a fence seen after means
         retired by then.
         """
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             rows = self._rows(conn, key, keep=keep)
             if not rows and self._fenced(conn, key):
                 return None
             return rows
+
+    def _resolvable_rows(self, key: str) -> list[dict[str, Any]] | None:
+        return self._read(key, keep=True)
+
+    def _commit_stripe(self, key: str) -> int:
+        return 0  # one commit thread: SQLite takes one writer at a time
 
     def _manifest_rows(self, key: str) -> list[dict[str, Any]]:
         rows = self._read(key, keep=False)
@@ -312,41 +204,10 @@ class SqliteCaptureLedger:
             raise RolloutRetiredError(f"the capture ledger of {key!r} is retired")
         return rows
 
-    async def manifest(self, rollout_id: str) -> RolloutManifest:
-        """The manifest of ``rollout_id``; empty when it has no ledger.
-
-        Raises:
-            RolloutRetiredError: The key is retired.
-        """
-        key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(self._manifest_rows, key)
-        return manifest_from_rows(key, rows)
-
-    async def has_rows(self, rollout_id: str) -> bool:
-        """Whether the key has any row. Raises ``RolloutRetiredError`` when retired."""
-        key = validate_ledger_key(rollout_id)
-        return bool(await anyio.to_thread.run_sync(self._manifest_rows, key))
-
-    async def resolve(self, rollout_id: str, request_items: RequestItems) -> LineageResolution:
-        """Which recorded call of ``rollout_id`` the request continues."""
-        key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(lambda: self._read(key, keep=True))
-        return _RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
-
-    async def resolve_explicit(
-        self, source_capture_key: str, parent_call_id: str, request_items: RequestItems
-    ) -> LineageResolution:
-        """Check that the request continues ``parent_call_id`` of ``source_capture_key``."""
-        key = validate_ledger_key(source_capture_key)
-        rows = await anyio.to_thread.run_sync(lambda: self._read(key, keep=True))
-        if rows is None:
-            return _RETIRED_UNRESOLVED
-        return resolve_explicit_rows(rows, parent_call_id, request_items)
-
     def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
         """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""
         key = validate_ledger_key(rollout_id)
-        with self._connection() as conn:
+        with self._db.connection() as conn:
             with self._locks.hold(key):
                 if key in self._cache:  # the cache's rows are shared: hand out copies
                     entry = self._refresh(conn, key)
@@ -405,7 +266,7 @@ class SqliteCaptureLedger:
             by_key.setdefault(item.key, []).append(item)
         entries: dict[str, _Cached] = {}
         try:
-            with self._writing() as conn:
+            with self._db.writing() as conn:
                 for key, items in by_key.items():
                     staged, entry = self._stage_key(conn, key, items)
                     if not staged:
@@ -430,24 +291,6 @@ class SqliteCaptureLedger:
         for item in group:
             item.settle()  # after the commit: a woken caller's row is durable
 
-    async def _submit(self, key: str, row: dict[str, Any], *, failure: bool, staging: str) -> None:
-        item = PendingAppend(key, row, encode_row(row), failure, staging)
-        await self._committer.submit(item, 0)
-
-    async def record(self, commit: CaptureLedgerCommit) -> None:
-        """Append a committed call; an identical repeat is a no-op.
-
-        Raises:
-            ValueError: A different row with the same ``model_call_id`` exists ("conflicting").
-        """
-        row = custody_row(commit)
-        await self._submit(commit.rollout_id, row, failure=False, staging=commit.record.staging_key)
-
-    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
-        """Append a failure row; an identical one already present is a no-op."""
-        key = validate_ledger_key(rollout_id)
-        await self._submit(key, failure_row(model_call_id, reason), failure=True, staging="")
-
     def _append(self, key: str, row: dict[str, Any], *, failure: bool, staging_key: str) -> None:
         """Append one row from the calling thread (tests). Blocking."""
         item = PendingAppend(key, row, encode_row(row), failure, staging_key)
@@ -460,7 +303,7 @@ class SqliteCaptureLedger:
     def _retire(self, keys: list[str]) -> RolloutRemoval:
         removed: set[str] = set()
         try:
-            with self._writing() as conn:
+            with self._db.writing() as conn:
                 conn.executemany(_MARK, [_mark(key, fenced=1, started=0) for key in keys])
                 self._on_step(RETIRE_STEPS[0])
                 for key in keys:
@@ -476,7 +319,7 @@ class SqliteCaptureLedger:
         removed: set[str] = set()
         skipped: set[str] = set()
         try:
-            with self._writing() as conn:
+            with self._db.writing() as conn:
                 for key in keys:
                     if unless_started:
                         mark = conn.execute(_FENCED, (key,)).fetchone()
@@ -491,49 +334,14 @@ class SqliteCaptureLedger:
                 self._cache.pop(key)
         return removal_result(keys, removed, skipped)
 
-    async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """Fence every key and remove its ledger, in one durable transaction.
-
-        Raises:
-            TypeError: ``rollout_ids`` is a bare string.
-            InvalidRolloutIdError: Any id is invalid; nothing changed.
-        """
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(self._retire, keys)
-
-    async def delete(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """Remove ledgers, fences, start markers and cached rows; the keys read as unused."""
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=False))
-
-    async def delete_unstarted(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
-        """``delete`` for keys without a start marker; started keys are in neither list."""
-        keys = validate_ledger_keys(rollout_ids)
-        if not keys:
-            return RolloutRemoval()
-        return await anyio.to_thread.run_sync(lambda: self._remove(keys, unless_started=True))
-
     def _mark_started(self, key: str) -> bool:
-        with self._writing() as conn:
+        with self._db.writing() as conn:
             if self._fenced(conn, key):
                 return False  # a retired attempt's calls are refused; its marker would linger
             conn.execute(_MARK, _mark(key, fenced=0, started=1))
             return True
 
-    async def mark_started(self, rollout_id: str) -> bool:
-        """Mark a restored attempt started; ``False`` (no marker) when the key is retired."""
-        key = validate_ledger_key(rollout_id)
-        return await anyio.to_thread.run_sync(self._mark_started, key)
-
     # -- restore -------------------------------------------------------------------------------
-
-    def import_rows(self, rollout_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
-        """``import_rows_many({rollout_id: rows})``. Blocking."""
-        self.import_rows_many({rollout_id: rows})
 
     def import_rows_many(self, ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
         """Install whole ledgers on a fresh server in one transaction. Blocking.
@@ -559,7 +367,7 @@ class SqliteCaptureLedger:
             for suffix in suffixes:
                 unlink_if_present(str(self.root / f"{key}{suffix}"))
         try:
-            with self._writing() as conn:
+            with self._db.writing() as conn:
                 wipe = list(floors.items())
                 conn.executemany("DELETE FROM rows WHERE rollout = ? AND attempt >= ?", wipe)
                 conn.executemany("DELETE FROM marks WHERE rollout = ? AND attempt >= ?", wipe)
@@ -579,8 +387,4 @@ class SqliteCaptureLedger:
         """Commit queued appends, drop the cache and close every connection; the file stays."""
         self._committer.close()
         self._cache.clear()
-        with self._guard:
-            self._closed = True
-            connections, self._all = self._all, []
-        for conn in connections:
-            conn.close()
+        self._db.close()

@@ -365,6 +365,9 @@ class CaptureLedger(Protocol):
     def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
         """Every row in commit order; ``[]`` when there is no ledger."""
 
+    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """``export_rows`` of each id, in the order given (all ids checked first)."""
+
     def import_rows(self, rollout_id: str, rows: Sequence[Mapping[str, Any]]) -> None:
         """``import_rows_many({rollout_id: rows})``."""
 

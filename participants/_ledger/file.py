@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +28,6 @@ from .cache import DEFAULT_MAX_CACHED_ROLLOUTS, DEFAULT_MAX_CACHED_ROWS
 from .cache import CachedLedger as _Cached
 from .common import (
     LEDGER_SUFFIX,
-    check_repeat,
     write_all,
 )
 from .group import (
@@ -39,6 +38,7 @@ from .group import (
 )
 from .locks import DEFAULT_STRIPES
 from .removal import LedgerDirectory
+from .staging import stage_key
 
 _log = structlog.get_logger("midflight.ledger")
 
@@ -174,35 +174,8 @@ class FileCaptureLedger(LedgerDirectory):
                 fd = None
             try:
                 entry = self._refresh(key, fd) if fd is not None else None
-                lines: list[bytes] = []
-                fenced: bool | None = None
-                for item in items:
-                    row = item.row
-                    if entry is not None and entry.rows:
-                        try:
-                            known = entry.by_call_id.get(row["model_call_id"])
-                            if check_repeat(known, row, item.failure):
-                                continue
-                        except ValueError as exc:
-                            item.error = exc  # this caller's conflict; its neighbours go on
-                            continue
-                    else:
-                        # Only an empty ledger needs the fence check: retire makes every fence
-                        # durable before it removes any ledger, so rows mean "not retired yet".
-                        if fenced is None:
-                            fenced = self._fenced(key)
-                        if fenced:
-                            _log.warning(
-                                "ledger_late_write_discarded",
-                                rollout_id=key,
-                                model_call_id=row["model_call_id"],
-                                staging_key=item.staging_key,
-                            )
-                            continue
-                    if entry is None:
-                        entry = _Cached(inode=0, offset=0)
-                    entry.add(row)  # later rows of this group see it (repeats, conflicts)
-                    lines.append(item.line)
+                staged, entry = stage_key(key, items, entry, self._fenced)
+                lines = [item.line for item in staged]
                 if not lines:
                     return
                 assert entry is not None
@@ -270,6 +243,11 @@ class FileCaptureLedger(LedgerDirectory):
         key = validate_ledger_key(rollout_id)
         with self._locks.hold(key):
             return copy.deepcopy(self._rows_read_through(key) or [])
+
+    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """``export_rows`` of each id, in order; every id is checked before any is read."""
+        keys = [validate_ledger_key(key) for key in rollout_ids]
+        return [self.export_rows(key) for key in keys]
 
     def close(self) -> None:
         """Commit queued appends, drop the cache and close descriptors; the files stay."""

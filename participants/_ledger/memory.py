@@ -131,6 +131,11 @@ class MemoryCaptureLedger:
         with self._locks.hold(key):
             return copy.deepcopy(self._ledgers.get(key, []))
 
+    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """``export_rows`` of each id, in order; every id is checked before any is read."""
+        keys = [validate_ledger_key(key) for key in rollout_ids]
+        return [self.export_rows(key) for key in keys]
+
     async def retire(self, rollout_ids: Sequence[str]) -> RolloutRemoval:
         """Fence every key, then remove their ledgers (two phases, as on disk)."""
         keys = validate_ledger_keys(rollout_ids)

@@ -29,8 +29,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final, Literal
 
-import structlog
-
 from protocols import (
     RolloutRemoval,
     RolloutRetiredError,
@@ -42,21 +40,26 @@ from .._storage.durable import make_directory_durable
 from .cache import DEFAULT_MAX_CACHED_ROLLOUTS, DEFAULT_MAX_CACHED_ROWS, RowCache
 from .cache import CachedLedger as _Cached
 from .common import (
-    check_repeat,
     doomed_keys,
     encode_ledger_rows,
     removal_result,
     split_attempt,
     unlink_if_present,
 )
-from .group import GroupCommitter, PendingAppend
+from .group import GroupCommitter, PendingAppend, settle_all
 from .layout import SQLITE_DATABASE, refuse_other_layout
 from .locks import StripedThreadLocks
 from .removal import RETIRE_STEPS
-from .sqlite_db import LedgerDatabase
+from .sqlite_db import (
+    LedgerDatabase,
+    fenced_keys,
+    insert_rows,
+    parse_lines,
+    read_ledgers,
+    read_since_many,
+)
+from .staging import copy_entry, stage_key
 from .threaded import ThreadedLedger
-
-_log = structlog.get_logger("midflight.ledger")
 
 DATABASE_NAME: Final = SQLITE_DATABASE
 DEFAULT_MAX_COMMIT_BATCH: Final = 1024
@@ -82,16 +85,6 @@ def _parse(lines: Sequence[bytes]) -> list[dict[str, Any]]:
         return []
     rows: list[dict[str, Any]] = json.loads(b"[" + b",".join(lines) + b"]")
     return rows
-
-
-def _copy_entry(entry: _Cached) -> _Cached:
-    """A cache entry to stage rows on without touching the one readers see."""
-    return _Cached(
-        inode=entry.inode,
-        offset=entry.offset,
-        rows=list(entry.rows),
-        by_call_id={call: list(rows) for call, rows in entry.by_call_id.items()},
-    )
 
 
 def _mark(key: str, *, fenced: int, started: int) -> tuple[str, str, int, int, int]:
@@ -214,72 +207,90 @@ class SqliteCaptureLedger(ThreadedLedger):
                     return [] if entry is None else copy.deepcopy(entry.rows)
             return _parse([line for _, line in conn.execute(_READ_ALL, (key,)).fetchall()])
 
+    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """``export_rows`` of each id, in order, read in a few statements (fresh objects, not the
+        cache's). Blocking.
+
+        Raises:
+            InvalidRolloutIdError: Any id is not a valid ledger key; nothing is read.
+        """
+        keys = [validate_ledger_key(key) for key in rollout_ids]
+        with self._db.connection() as conn:
+            return read_ledgers(conn, keys)
+
     def cache_sizes(self) -> dict[str, int]:
         """Sizes of the row cache (``ledger_rollouts``, ``ledger_rows``) for the metric."""
         return self._cache.sizes()
 
     # -- writing -------------------------------------------------------------------------------
 
-    def _stage_key(
-        self, conn: sqlite3.Connection, key: str, items: list[PendingAppend]
-    ) -> tuple[list[PendingAppend], _Cached | None]:
-        """Which rows of one key are written (repeats and late rows are no-ops), and the key's
-        cache entry with them, a copy to install once they are durable. Inside the transaction:
-        no other writer can change the key meanwhile."""
-        with self._locks.hold(key):
-            cached = self._refresh(conn, key)
-            entry = None if cached is None else _copy_entry(cached)
-        fenced: bool | None = None
-        staged: list[PendingAppend] = []
-        for item in items:
-            row = item.row
-            if entry is not None and entry.rows:
-                try:
-                    if check_repeat(entry.by_call_id.get(row["model_call_id"]), row, item.failure):
-                        continue
-                except ValueError as exc:
-                    item.error = exc  # this caller's conflict; its neighbours go on
-                    continue
-            else:
-                # A retire removes the rows and writes the fence in one transaction, so rows
-                # mean "not retired"; only an empty ledger needs the fence read.
-                if fenced is None:
-                    fenced = self._fenced(conn, key)
-                if fenced:
-                    _log.warning(
-                        "ledger_late_write_discarded",
-                        rollout_id=key,
-                        model_call_id=row["model_call_id"],
-                        staging_key=item.staging_key,
-                    )
-                    continue
-            if entry is None:
-                entry = _Cached(inode=0, offset=0)
-            entry.add(row)  # later rows of this group see it (repeats, conflicts)
-            staged.append(item)
-        return staged, entry
+    def _refresh_many(self, conn: sqlite3.Connection, keys: list[str]) -> dict[str, _Cached | None]:
+        """Every key's cache entry brought up to date, read in one statement per 500 keys, and a
+        copy of each to stage rows on (``None``: no row). Inside the write transaction."""
+        marks = []
+        for key in keys:
+            cached = self._cache.get(key)
+            marks.append((key, 0, 0) if cached is None else (key, cached.inode, cached.offset))
+        found = read_since_many(conn, marks)
+        staged: dict[str, _Cached | None] = {}
+        for key, first, last in marks:
+            fetched = found.get(key, [])
+            with self._locks.hold(key):
+                entry = self._cache.get(key)
+                now = (0, 0) if entry is None else (entry.inode, entry.offset)
+                if now != (first, last):
+                    entry = self._refresh(conn, key)  # a reader moved it meanwhile: read it alone
+                elif entry is not None and fetched and fetched[0][0] == first:
+                    fresh = [line for seq, line in fetched if seq > last]
+                    if fresh:
+                        for row in parse_lines(fresh):
+                            entry.add(row)
+                        entry.offset = fetched[-1][0]
+                        self._cache.store(key, entry)
+                else:
+                    # Uncached, or its first row is gone: removed (and maybe used again) since.
+                    # Sequences are never reused, so every row it has now is after ``last``.
+                    self._cache.pop(key)
+                    entry = None
+                    if fetched:
+                        entry = _Cached(inode=fetched[0][0], offset=fetched[-1][0])
+                        for row in parse_lines([line for _, line in fetched]):
+                            entry.add(row)
+                        self._cache.store(key, entry)
+                staged[key] = None if entry is None else copy_entry(entry)
+        return staged
 
     def _commit_group(self, group: list[PendingAppend]) -> None:
-        """Commit a group from the commit thread in one transaction, then wake its callers."""
+        """Commit a group from the commit thread in one transaction, then wake its callers.
+
+        The transaction is a fixed handful of statements however many rows and keys it holds
+        (D345): one read of every key's new rows, one of the empty keys' fences, one insert.
+        """
         by_key: dict[str, list[PendingAppend]] = {}
         for item in group:
             by_key.setdefault(item.key, []).append(item)
         entries: dict[str, _Cached] = {}
         try:
             with self._db.writing() as conn:
+                current = self._refresh_many(conn, list(by_key))
+                empty = [key for key, entry in current.items() if entry is None or not entry.rows]
+                fenced = fenced_keys(conn, empty) if empty else set()
+                inserts: list[tuple[str, str, int, bytes]] = []
+                owners: list[_Cached] = []
                 for key, items in by_key.items():
-                    staged, entry = self._stage_key(conn, key, items)
+                    staged, entry = stage_key(key, items, current[key], fenced.__contains__)
                     if not staged:
                         continue
                     assert entry is not None
                     rollout, attempt = split_attempt(key)
                     for item in staged:
-                        seq = conn.execute(_INSERT, (key, rollout, attempt, item.line)).lastrowid
-                        assert seq is not None
-                        if entry.inode == 0:
-                            entry.inode = seq
-                        entry.offset = seq
+                        inserts.append((key, rollout, attempt, item.line))
+                        owners.append(entry)
                     entries[key] = entry
+                for entry, seq in zip(owners, insert_rows(conn, inserts), strict=True):
+                    if entry.inode == 0:
+                        entry.inode = seq
+                    entry.offset = seq
         except Exception as exc:  # the transaction failed: nothing of it is on disk
             for item in group:
                 if item.error is None:
@@ -288,8 +299,7 @@ class SqliteCaptureLedger(ThreadedLedger):
             for key, entry in entries.items():
                 with self._locks.hold(key):
                     self._cache.store(key, entry)
-        for item in group:
-            item.settle()  # after the commit: a woken caller's row is durable
+        settle_all(group)  # after the commit: a woken caller's row is durable
 
     def _append(self, key: str, row: dict[str, Any], *, failure: bool, staging_key: str) -> None:
         """Append one row from the calling thread (tests). Blocking."""

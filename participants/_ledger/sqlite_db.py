@@ -8,13 +8,14 @@ processes meet the busy timeout.
 
 from __future__ import annotations
 
+import json
 import queue
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 from .._storage.durable import make_directory_durable
 
@@ -41,6 +42,96 @@ CREATE TABLE IF NOT EXISTS marks (
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS marks_by_rollout ON marks (rollout, attempt);
 """
+
+READ_MANY_KEYS: Final = 500
+"""Keys per statement of the reads below: bounds the text one statement returns."""
+INSERT_MANY_ROWS: Final = 2048
+"""Rows per statement of :func:`insert_rows`."""
+
+# Python's ``sqlite3`` lets go of the GIL around every step of a cursor, and a thread taking it
+# back waits behind a busy event loop for up to the switch interval (5 ms) each time. So the
+# statements below take many keys or rows at once, as a JSON array, and the reads return their
+# rows joined into one text: one step per statement, not one per key or per row (D345). Every
+# line is JSON ending in a newline and keys are safe names, so a row comes back as
+# ``key<TAB>seq<TAB>line``.
+_READ_SINCE_MANY: Final = (
+    "SELECT group_concat(r.key || char(9) || r.seq || char(9) || CAST(r.line AS TEXT), '') "
+    "FROM json_each(?) AS j JOIN rows AS r ON r.key = json_extract(j.value, '$[0]') "
+    "AND (r.seq = json_extract(j.value, '$[1]') OR r.seq > json_extract(j.value, '$[2]'))"
+)
+_FENCED_MANY: Final = (
+    "SELECT group_concat(key, char(9)) FROM marks "
+    "WHERE fenced AND key IN (SELECT value FROM json_each(?))"
+)
+_INSERT_MANY: Final = (
+    "INSERT INTO rows (key, rollout, attempt, line) "
+    "SELECT json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'), "
+    "json_extract(j.value, '$[2]'), CAST(json_extract(j.value, '$[3]') AS BLOB) "
+    "FROM json_each(?) AS j ORDER BY j.key"
+)
+
+Fetched = dict[str, list[tuple[int, str]]]
+"""Per key, its ``(seq, line)`` pairs in commit order."""
+
+
+def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, int]]) -> Fetched:
+    """For each ``(key, first, last)``: the key's row ``first`` if it is still there, and every
+    row after ``last`` (``(key, 0, 0)``: all its rows). Keys without such rows are left out;
+    each key may appear once."""
+    found: Fetched = {}
+    for start in range(0, len(marks), READ_MANY_KEYS):
+        chunk = json.dumps([list(mark) for mark in marks[start : start + READ_MANY_KEYS]])
+        (text,) = conn.execute(_READ_SINCE_MANY, (chunk,)).fetchone()
+        for entry in (text or "").splitlines():
+            key, seq, line = entry.split("\t", 2)
+            found.setdefault(key, []).append((int(seq), line))
+    for lines in found.values():
+        lines.sort()  # group_concat promises no order: the sequence does
+    return found
+
+
+def parse_lines(lines: Sequence[str]) -> list[dict[str, Any]]:
+    """The rows of ledger lines, parsed as one JSON array."""
+    rows: list[dict[str, Any]] = json.loads("[" + ",".join(lines) + "]")
+    return rows
+
+
+def read_ledgers(conn: sqlite3.Connection, keys: Sequence[str]) -> list[list[dict[str, Any]]]:
+    """The rows of each key in commit order, one statement per 500 keys."""
+    found = read_since_many(conn, [(key, 0, 0) for key in dict.fromkeys(keys)])
+    return [parse_lines([line for _, line in found.get(key, ())]) for key in keys]
+
+
+def fenced_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` carry a fence, one statement per 500 keys."""
+    fenced: set[str] = set()
+    for start in range(0, len(keys), READ_MANY_KEYS):
+        chunk = json.dumps(list(keys[start : start + READ_MANY_KEYS]))
+        (text,) = conn.execute(_FENCED_MANY, (chunk,)).fetchone()
+        fenced.update((text or "").split("\t") if text else ())
+    return fenced
+
+
+def insert_rows(conn: sqlite3.Connection, rows: Sequence[tuple[str, str, int, bytes]]) -> list[int]:
+    """Insert ``(key, rollout, attempt, line)`` rows in order, inside the caller's transaction;
+    the sequence number each got, in the same order.
+
+    ``AUTOINCREMENT`` gives every new row a number above any the table ever held, so the rows
+    above the largest number before the insert are exactly these (the transaction holds the
+    write lock), in the order they went in.
+    """
+    if not rows:
+        return []
+    (before,) = conn.execute("SELECT coalesce(max(seq), 0) FROM rows").fetchone()
+    for start in range(0, len(rows), INSERT_MANY_ROWS):
+        chunk = rows[start : start + INSERT_MANY_ROWS]
+        values = [[key, rollout, attempt, line.decode()] for key, rollout, attempt, line in chunk]
+        conn.execute(_INSERT_MANY, (json.dumps(values),))
+    (text,) = conn.execute("SELECT group_concat(seq) FROM rows WHERE seq > ?", (before,)).fetchone()
+    seqs = sorted(int(seq) for seq in text.split(","))
+    if len(seqs) != len(rows):
+        raise RuntimeError(f"{len(rows)} rows inserted but {len(seqs)} new sequence numbers")
+    return seqs
 
 
 class LedgerDatabase:

@@ -225,7 +225,7 @@ class ModelParticipant(BaseParticipant):
         exported: list[list[dict[str, Any]]] = []
         for start in range(0, len(episodes), EXPORT_BATCH):  # one thread hop per batch
             keys = [episode.capture_key for episode in episodes[start : start + EXPORT_BATCH]]
-            exported += await anyio.to_thread.run_sync(self._export_rows, keys)
+            exported += await anyio.to_thread.run_sync(self.ledger.export_rows_many, keys)
         for episode, rows in zip(episodes, exported, strict=True):
             kept = [row for row in rows if row.get("model_call_id") not in undelivered]
             key = episode.capture_key
@@ -236,9 +236,6 @@ class ModelParticipant(BaseParticipant):
                     {"episode_id": episode.model_dump(), "rows": kept, "generation_cuts": cuts}
                 )
         return records
-
-    def _export_rows(self, keys: Sequence[str]) -> list[list[dict[str, Any]]]:
-        return [self.ledger.export_rows(key) for key in keys]
 
     def commit_reply(self, records: Sequence[Record]) -> dict[str, Any]:
         """Rows to keep staged and the episodes whose record carries a cut (see

@@ -52,10 +52,6 @@ async def claim_restored_cut(
     return record
 
 
-def _export_rows(ledger: CaptureLedger, keys: list[str]) -> list[list[dict[str, Any]]]:
-    return [ledger.export_rows(key) for key in keys]
-
-
 async def share_episodes(
     ledger: CaptureLedger,
     episode_ids: Collection[EpisodeId],
@@ -69,7 +65,7 @@ async def share_episodes(
     exported: list[list[dict[str, Any]]] = []
     for start in range(0, len(keys), SHARE_BATCH):  # one thread hop per batch, not per episode
         batch = keys[start : start + SHARE_BATCH]
-        exported += await anyio.to_thread.run_sync(_export_rows, ledger, batch)
+        exported += await anyio.to_thread.run_sync(ledger.export_rows_many, batch)
     for key, rows in zip(keys, exported, strict=True):
         ticket = live.get(key)
         cut = ticket.cut_record if ticket is not None else restored.get(key)

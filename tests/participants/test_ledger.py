@@ -304,3 +304,22 @@ def test_doomed_keys_reads_every_name_as_split_attempt_and_the_suffixes_do(
         if rollout in floors and attempt >= floors[rollout]:
             expected.setdefault(key, []).append(suffix)
     assert doomed_keys(names, targets) == expected
+
+
+async def test_export_rows_many_reads_each_id_as_export_rows_does_in_the_order_given(
+    ledger: Ledger,
+) -> None:
+    for key, turns in (("b", 3), ("a", 1), ("a-a1", 2), ("gone", 1)):
+        for turn in range(turns):
+            await ledger.record(commit(key, turn, rollout=key.split("-")[0]))
+    await ledger.record_failure("a", "call-9", "engine_error")
+    await ledger.retire(["gone"])
+    order = ["b", "never", "a-a1", "gone", "a", "b"]
+    many = ledger.export_rows_many(order)
+    assert many == [ledger.export_rows(key) for key in order]
+    assert [len(rows) for rows in many] == [3, 0, 2, 0, 2, 3]
+    assert [row["model_call_id"] for row in many[0]] == ["call-0", "call-1", "call-2"]
+    many[0][0]["model_call_id"] = "changed"  # a copy: the ledger's rows stay as they were
+    assert ledger.export_rows("b")[0]["model_call_id"] == "call-0"
+    with pytest.raises(InvalidRolloutIdError):
+        ledger.export_rows_many(["a", "../escape"])

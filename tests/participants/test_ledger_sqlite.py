@@ -3,12 +3,14 @@ processes' removals, one file for every rollout, and a directory of one layout o
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import sqlite3
 import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
@@ -19,8 +21,10 @@ from participants import (
     SqliteCaptureLedger,
     live_ledger_keys,
 )
+from participants._ledger import sqlite_db
+from participants._ledger.group import PendingAppend
 from participants._ledger.removal import RETIRE_STEPS
-from protocols import RolloutRetiredError, custody_row
+from protocols import RolloutRetiredError, custody_row, encode_row
 
 from .ledger_factory import commit
 
@@ -207,3 +211,110 @@ def test_threads_refreshing_one_ledger_never_cache_a_row_twice(
     rows = ledger._read("r", keep=True)  # from the cache every reader refreshed
     assert rows is not None
     assert [row["model_call_id"] for row in rows] == [f"call-{t}" for t in range(calls)]
+
+
+async def test_an_export_of_many_reads_them_in_one_statement_per_batch_of_keys(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One cursor step per batch, not one per row: each step lets go of the GIL (D345)."""
+    tricky = 'tab\there, newline\nthere, quote " and \u00e9'  # a reason is free text
+    for index in range(7):
+        await ledger.record(commit(f"r{index}", 0, rollout=f"r{index}"))
+        await ledger.record_failure(f"r{index}", "call-1", tricky)
+    keys = [f"r{index}" for index in reversed(range(7))] + ["absent"]
+    expected = [ledger.export_rows(key) for key in keys]
+    monkeypatch.setattr(sqlite_db, "READ_MANY_KEYS", 3)
+    statements: list[str] = []
+    with contextlib.closing(sqlite3.connect(ledger.path)) as conn:
+        conn.set_trace_callback(statements.append)
+        assert sqlite_db.read_ledgers(conn, keys) == expected
+    assert len(statements) == 3  # 8 keys, 3 a statement
+    assert expected[-1] == [] and expected[0][0]["model_call_id"] == "call-0"
+    assert expected[0][1]["failure_reason"] == tricky
+    other = SqliteCaptureLedger(ledger.root)  # another process's view reads the same
+    try:
+        assert other.export_rows_many(keys) == expected
+    finally:
+        other.close()
+
+
+def _traced(ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every statement any of the ledger's connections runs from now on."""
+    statements: list[str] = []
+    for conn in ledger._db._all:
+        conn.set_trace_callback(statements.append)
+    real_open = ledger._db._open
+
+    def traced_open() -> sqlite3.Connection:
+        conn = real_open()
+        conn.set_trace_callback(statements.append)
+        return conn
+
+    monkeypatch.setattr(ledger._db, "_open", traced_open)
+    return statements
+
+
+def _group(keys: list[str], turn: int) -> list[PendingAppend]:
+    items = []
+    for key in keys:
+        row = custody_row(commit(key, turn, rollout=key))
+        items.append(PendingAppend(key, row, encode_row(row), False, ""))
+    return items
+
+
+async def test_a_group_commit_is_a_few_statements_however_many_rows_it_holds(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each statement is a step that lets go of the GIL; under a busy loop every one of them
+    waits to get it back, so a group may not cost one per key or per row (D345)."""
+    await ledger.retire(["fenced"])
+    statements = _traced(ledger, monkeypatch)
+    counts = []
+    for keys, turn in ((["one"], 0), ([f"k{i}" for i in range(300)] + ["fenced"], 0)):
+        statements.clear()
+        ledger._commit_group(_group(keys, turn))
+        counts.append(len(statements))
+    statements.clear()
+    again = _group([f"k{i}" for i in range(300)], 1) + _group(["k1"], 2)
+    ledger._commit_group(again)  # cached keys with rows: no fence to read
+    counts.append(len(statements))
+    assert counts[0] == counts[1] <= 7 and counts[2] < counts[1]
+    assert stored(ledger, "SELECT count(*) FROM rows WHERE key = 'fenced'") == [(0,)]
+    fresh = SqliteCaptureLedger(ledger.root)  # what is on disk, not what is cached
+    try:
+        assert [len(rows) for rows in fresh.export_rows_many(["k0", "k1", "one"])] == [2, 3, 1]
+        assert fresh.export_rows("k1") == ledger.export_rows("k1")
+        entry = ledger._cache.get("k1")
+        assert entry is not None
+        seqs = stored(ledger, "SELECT min(seq), max(seq) FROM rows WHERE key = 'k1'")
+        assert seqs == [(entry.inode, entry.offset)]  # the cache knows the rows' sequences
+    finally:
+        fresh.close()
+
+
+async def test_a_group_wakes_its_callers_loop_once(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wake-up from the commit thread is a write that lets go of the GIL (D345)."""
+    groups: list[int] = []
+    real = ledger._commit_group
+
+    def counting(group: list[PendingAppend]) -> None:
+        groups.append(len(group))
+        real(group)
+
+    monkeypatch.setattr(ledger._committer._shards[0], "_commit", counting)
+    loop = asyncio.get_running_loop()
+    wakeups: list[object] = []
+    real_wake = loop.call_soon_threadsafe
+
+    def call_soon_threadsafe(callback: Any, *args: Any, **kwargs: Any) -> Any:
+        wakeups.append(callback)
+        return real_wake(callback, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "call_soon_threadsafe", call_soon_threadsafe)
+    async with anyio.create_task_group() as group:
+        for index in range(100):
+            group.start_soon(ledger.record, commit(f"w{index}", 0, rollout=f"w{index}"))
+    assert sum(groups) == 100
+    assert len(wakeups) == len(groups) < 100

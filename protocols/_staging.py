@@ -26,7 +26,7 @@ from ._strict import (
     STAGING_SCHEMA_VERSION,
     DigestHex,
     DigestWireModel,
-    ExactFloat,
+    ExactFloats,
     Identifier,
     NonNegativeInt,
     StagingWireModel,
@@ -120,8 +120,8 @@ class StagedCallRecord(DigestWireModel):
     weight_version: NonNegativeInt
     digest: DigestHex
     token_ids_delta: list[NonNegativeInt]
-    token_mask_delta: list[ExactFloat]
-    generation_log_probs_delta: list[ExactFloat]
+    token_mask_delta: ExactFloats
+    generation_log_probs_delta: ExactFloats
     extras_digest: DigestHex = EMPTY_EXTRAS_DIGEST
     chain_hash: DigestHex
     cumulative_hash: DigestHex

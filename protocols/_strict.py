@@ -26,6 +26,16 @@ def _exact_float(value: object) -> object:
     return value
 
 
+def _exact_floats(value: object) -> object:
+    # One pass over the whole list: a per-item validator costs a Python call per token, and a
+    # staged record carries two float lists as long as its token delta.
+    if type(value) is list:
+        for index, item in enumerate(value):
+            if type(item) is not float:
+                raise ValueError(f"item {index}: expected a float, got {type(item).__name__}")
+    return value
+
+
 Identifier = Annotated[str, Field(min_length=1)]
 """A non-empty identifier (rollout id, capture key, model call id, staging key)."""
 
@@ -37,6 +47,9 @@ DigestHex = Annotated[str, Field(pattern=SHA256_HEX_PATTERN)]
 
 ExactFloat = Annotated[float, BeforeValidator(_exact_float)]
 """A finite float that arrived as a float (never an int)."""
+
+ExactFloats = Annotated[list[float], BeforeValidator(_exact_floats)]
+"""A list of finite floats, each of which arrived as a float (checked in one pass)."""
 
 
 class StrictWireModel(BaseModel):

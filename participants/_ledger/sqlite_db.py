@@ -70,8 +70,16 @@ _INSERT_MANY: Final = (
     "FROM json_each(?) AS j ORDER BY j.key"
 )
 
+_INSERT_ONE: Final = "INSERT INTO rows (key, rollout, attempt, line) VALUES (?, ?, ?, ?)"
+
 Fetched = dict[str, list[tuple[int, str]]]
 """Per key, its ``(seq, line)`` pairs in commit order."""
+
+
+def _inserted(seq: int | None) -> int:
+    if seq is None:
+        raise RuntimeError("an insert reported no sequence number")
+    return seq
 
 
 def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, int]]) -> Fetched:
@@ -120,8 +128,8 @@ def insert_rows(conn: sqlite3.Connection, rows: Sequence[tuple[str, str, int, by
     above the largest number before the insert are exactly these (the transaction holds the
     write lock), in the order they went in.
     """
-    if not rows:
-        return []
+    if len(rows) <= 1:  # one row is one step anyway, and its number comes with it
+        return [_inserted(conn.execute(_INSERT_ONE, row).lastrowid) for row in rows]
     (before,) = conn.execute("SELECT coalesce(max(seq), 0) FROM rows").fetchone()
     for start in range(0, len(rows), INSERT_MANY_ROWS):
         chunk = rows[start : start + INSERT_MANY_ROWS]

@@ -270,7 +270,7 @@ async def test_a_group_commit_is_a_few_statements_however_many_rows_it_holds(
     await ledger.retire(["fenced"])
     statements = _traced(ledger, monkeypatch)
     counts = []
-    for keys, turn in ((["one"], 0), ([f"k{i}" for i in range(300)] + ["fenced"], 0)):
+    for keys, turn in ((["one", "two"], 0), ([f"k{i}" for i in range(300)] + ["fenced"], 0)):
         statements.clear()
         ledger._commit_group(_group(keys, turn))
         counts.append(len(statements))
@@ -278,11 +278,18 @@ async def test_a_group_commit_is_a_few_statements_however_many_rows_it_holds(
     again = _group([f"k{i}" for i in range(300)], 1) + _group(["k1"], 2)
     ledger._commit_group(again)  # cached keys with rows: no fence to read
     counts.append(len(statements))
-    assert counts[0] == counts[1] <= 7 and counts[2] < counts[1]
+    statements.clear()
+    ledger._commit_group(_group(["three"], 0))  # one row: one insert that names its number
+    assert counts[0] == counts[1] <= 7 and counts[2] < counts[1] and len(statements) <= 5
     assert stored(ledger, "SELECT count(*) FROM rows WHERE key = 'fenced'") == [(0,)]
     fresh = SqliteCaptureLedger(ledger.root)  # what is on disk, not what is cached
     try:
-        assert [len(rows) for rows in fresh.export_rows_many(["k0", "k1", "one"])] == [2, 3, 1]
+        assert [len(rows) for rows in fresh.export_rows_many(["k0", "k1", "one", "three"])] == [
+            2,
+            3,
+            1,
+            1,
+        ]
         assert fresh.export_rows("k1") == ledger.export_rows("k1")
         entry = ledger._cache.get("k1")
         assert entry is not None

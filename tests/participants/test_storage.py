@@ -52,6 +52,24 @@ def test_write_then_read_verifies_digest_and_count(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.parametrize("chunk_bytes", [1, 200, 1 << 20])
+def test_records_written_in_chunks_are_whole_and_digested_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk_bytes: int
+) -> None:
+    import hashlib
+
+    from participants._storage import checkpoint_store
+
+    monkeypatch.setattr(checkpoint_store, "RECORDS_CHUNK_BYTES", chunk_bytes)
+    directory = tmp_path / "ckpt"
+    records = _records(37)
+    manifest = _writer(directory).write(records)
+    on_disk = (directory / manifest["records_file"]).read_bytes()
+    assert on_disk == b"".join(json.dumps(r).encode() + b"\n" for r in records)
+    assert hashlib.sha256(on_disk).hexdigest() == manifest["records_sha256"]
+    assert _read(directory).records == records
+
+
 def test_key_order_is_preserved_through_a_round_trip(tmp_path: Path) -> None:
     record = {"zeta": 1, "alpha": {"y": 2, "b": 3}}
     _writer(tmp_path).write([record])

@@ -52,11 +52,16 @@ from .locks import StripedThreadLocks
 from .removal import RETIRE_STEPS
 from .sqlite_db import (
     LedgerDatabase,
+    delete_keys,
     fenced_keys,
     insert_rows,
+    keys_with_rows,
     parse_lines,
     read_ledgers,
     read_since_many,
+    started_keys,
+    upsert_marks,
+    wipe_attempts,
 )
 from .staging import copy_entry, stage_key
 from .threaded import ThreadedLedger
@@ -68,7 +73,6 @@ _READ_ALL: Final = "SELECT seq, line FROM rows WHERE key = ? ORDER BY seq"
 _READ_SINCE: Final = (
     "SELECT seq, line FROM rows WHERE key = ? AND (seq = ? OR seq > ?) ORDER BY seq"
 )
-_INSERT: Final = "INSERT INTO rows (key, rollout, attempt, line) VALUES (?, ?, ?, ?)"
 _FENCED: Final = "SELECT fenced, started FROM marks WHERE key = ?"
 _MARK: Final = (
     "INSERT INTO marks (key, rollout, attempt, fenced, started) VALUES (?, ?, ?, ?, ?) "
@@ -311,14 +315,12 @@ class SqliteCaptureLedger(ThreadedLedger):
     # -- removal -------------------------------------------------------------------------------
 
     def _retire(self, keys: list[str]) -> RolloutRemoval:
-        removed: set[str] = set()
         try:
             with self._db.writing() as conn:
-                conn.executemany(_MARK, [_mark(key, fenced=1, started=0) for key in keys])
+                upsert_marks(conn, [_mark(key, fenced=1, started=0) for key in keys])
                 self._on_step(RETIRE_STEPS[0])
-                for key in keys:
-                    if conn.execute("DELETE FROM rows WHERE key = ?", (key,)).rowcount:
-                        removed.add(key)
+                removed = keys_with_rows(conn, keys)
+                delete_keys(conn, keys, marks=False)
                 self._on_step(RETIRE_STEPS[1])
         finally:
             for key in keys:
@@ -326,19 +328,12 @@ class SqliteCaptureLedger(ThreadedLedger):
         return removal_result(keys, removed)
 
     def _remove(self, keys: list[str], *, unless_started: bool) -> RolloutRemoval:
-        removed: set[str] = set()
-        skipped: set[str] = set()
         try:
             with self._db.writing() as conn:
-                for key in keys:
-                    if unless_started:
-                        mark = conn.execute(_FENCED, (key,)).fetchone()
-                        if mark and mark[1]:
-                            skipped.add(key)
-                            continue
-                    if conn.execute("DELETE FROM rows WHERE key = ?", (key,)).rowcount:
-                        removed.add(key)
-                    conn.execute("DELETE FROM marks WHERE key = ?", (key,))
+                skipped = started_keys(conn, keys) if unless_started else set()
+                doomed = [key for key in keys if key not in skipped]
+                removed = keys_with_rows(conn, doomed)
+                delete_keys(conn, doomed, marks=True)
         finally:
             for key in keys:
                 self._cache.pop(key)
@@ -378,10 +373,8 @@ class SqliteCaptureLedger(ThreadedLedger):
                 unlink_if_present(str(self.root / f"{key}{suffix}"))
         try:
             with self._db.writing() as conn:
-                wipe = list(floors.items())
-                conn.executemany("DELETE FROM rows WHERE rollout = ? AND attempt >= ?", wipe)
-                conn.executemany("DELETE FROM marks WHERE rollout = ? AND attempt >= ?", wipe)
-                conn.executemany(_INSERT, inserts)
+                wipe_attempts(conn, list(floors.items()))
+                insert_rows(conn, inserts)
         finally:
             for key in encoded:
                 self._cache.pop(key)

@@ -63,6 +63,10 @@ _FENCED_MANY: Final = (
     "SELECT group_concat(key, char(9)) FROM marks "
     "WHERE fenced AND key IN (SELECT value FROM json_each(?))"
 )
+_STARTED_MANY: Final = (
+    "SELECT group_concat(key, char(9)) FROM marks "
+    "WHERE started AND key IN (SELECT value FROM json_each(?))"
+)
 _INSERT_MANY: Final = (
     "INSERT INTO rows (key, rollout, attempt, line) "
     "SELECT json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'), "
@@ -112,12 +116,77 @@ def read_ledgers(conn: sqlite3.Connection, keys: Sequence[str]) -> list[list[dic
 
 def fenced_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
     """Which of ``keys`` carry a fence, one statement per 500 keys."""
-    fenced: set[str] = set()
-    for start in range(0, len(keys), READ_MANY_KEYS):
-        chunk = json.dumps(list(keys[start : start + READ_MANY_KEYS]))
-        (text,) = conn.execute(_FENCED_MANY, (chunk,)).fetchone()
-        fenced.update((text or "").split("\t") if text else ())
-    return fenced
+    return _marked(conn, _FENCED_MANY, keys)
+
+
+def started_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` carry a start marker, one statement per 500 keys."""
+    return _marked(conn, _STARTED_MANY, keys)
+
+
+def _marked(conn: sqlite3.Connection, statement: str, keys: Sequence[str]) -> set[str]:
+    found: set[str] = set()
+    for chunk in _batches(keys):
+        (text,) = conn.execute(statement, (chunk,)).fetchone()
+        found.update(text.split("\t") if text else ())
+    return found
+
+
+_KEYS_WITH_ROWS: Final = (
+    "SELECT group_concat(key, char(9)) FROM (SELECT DISTINCT key FROM rows "
+    "WHERE key IN (SELECT value FROM json_each(?)))"
+)
+_DELETE_ROWS: Final = "DELETE FROM rows WHERE key IN (SELECT value FROM json_each(?))"
+_DELETE_MARKS: Final = "DELETE FROM marks WHERE key IN (SELECT value FROM json_each(?))"
+_MARK_MANY: Final = (
+    "INSERT INTO marks (key, rollout, attempt, fenced, started) "
+    "SELECT json_extract(j.value, '$[0]'), json_extract(j.value, '$[1]'), "
+    "json_extract(j.value, '$[2]'), json_extract(j.value, '$[3]'), json_extract(j.value, '$[4]') "
+    "FROM json_each(?) AS j WHERE true "  # WHERE: an upsert after a SELECT needs one to parse
+    "ON CONFLICT (key) DO UPDATE SET fenced = max(fenced, excluded.fenced), "
+    "started = max(started, excluded.started)"
+)
+_WIPE_ROWS: Final = (
+    "DELETE FROM rows WHERE seq IN (SELECT r.seq FROM json_each(?) AS j JOIN rows AS r "
+    "ON r.rollout = json_extract(j.value, '$[0]') AND r.attempt >= json_extract(j.value, '$[1]'))"
+)
+_WIPE_MARKS: Final = (
+    "DELETE FROM marks WHERE key IN (SELECT m.key FROM json_each(?) AS j JOIN marks AS m "
+    "ON m.rollout = json_extract(j.value, '$[0]') AND m.attempt >= json_extract(j.value, '$[1]'))"
+)
+
+
+def _batches(items: Sequence[Any], size: int = READ_MANY_KEYS) -> Iterator[str]:
+    for start in range(0, len(items), size):
+        yield json.dumps(
+            [list(i) if isinstance(i, tuple) else i for i in items[start : start + size]]
+        )
+
+
+def keys_with_rows(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
+    """Which of ``keys`` have at least one row, one statement per 500 keys."""
+    return _marked(conn, _KEYS_WITH_ROWS, keys)
+
+
+def delete_keys(conn: sqlite3.Connection, keys: Sequence[str], *, marks: bool) -> None:
+    """Delete the rows (and with ``marks`` the marks) of ``keys``, one statement per 500."""
+    for chunk in _batches(keys):
+        conn.execute(_DELETE_ROWS, (chunk,))
+        if marks:
+            conn.execute(_DELETE_MARKS, (chunk,))
+
+
+def upsert_marks(conn: sqlite3.Connection, marks: Sequence[tuple[str, str, int, int, int]]) -> None:
+    """Set ``(key, rollout, attempt, fenced, started)`` marks; a set flag is never cleared."""
+    for chunk in _batches(marks):
+        conn.execute(_MARK_MANY, (chunk,))
+
+
+def wipe_attempts(conn: sqlite3.Connection, floors: Sequence[tuple[str, int]]) -> None:
+    """Delete the rows and marks of every ``(rollout, attempt)`` and of its later attempts."""
+    for chunk in _batches(floors):
+        conn.execute(_WIPE_ROWS, (chunk,))
+        conn.execute(_WIPE_MARKS, (chunk,))
 
 
 def insert_rows(conn: sqlite3.Connection, rows: Sequence[tuple[str, str, int, bytes]]) -> list[int]:

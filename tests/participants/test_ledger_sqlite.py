@@ -325,3 +325,29 @@ async def test_a_group_wakes_its_callers_loop_once(
             group.start_soon(ledger.record, commit(f"w{index}", 0, rollout=f"w{index}"))
     assert sum(groups) == 100
     assert len(wakeups) == len(groups) < 100
+
+
+async def test_retire_delete_and_import_are_a_few_statements_however_many_keys_they_name(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A retire at the end of every rollout runs beside a busy loop too (D345)."""
+    statements = _traced(ledger, monkeypatch)
+    counts: dict[str, list[int]] = {"import": [], "retire": [], "delete": []}
+
+    def counted(name: str) -> None:
+        counts[name].append(len(statements))
+        statements.clear()
+
+    for size in (2, 300):
+        keys = [f"s{size}-{index}" for index in range(size)]
+        ledgers = {key: [custody_row(commit(key, 0, rollout=key))] for key in keys}
+        statements.clear()
+        await anyio.to_thread.run_sync(ledger.import_rows_many, ledgers)
+        counted("import")
+        await ledger.retire(keys[: size // 2])
+        counted("retire")
+        await ledger.delete(keys)
+        counted("delete")
+        assert not live_ledger_keys(ledger.root)
+    for name, (small, large) in counts.items():
+        assert small == large <= 8, name

@@ -21,8 +21,6 @@ again) since, and the entry is read afresh.
 
 from __future__ import annotations
 
-import copy
-import json
 import os
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
@@ -69,26 +67,12 @@ from .threaded import ThreadedLedger
 DATABASE_NAME: Final = SQLITE_DATABASE
 DEFAULT_MAX_COMMIT_BATCH: Final = 1024
 """Most appends one transaction commits: one group is one fsync."""
-_READ_ALL: Final = "SELECT seq, line FROM rows WHERE key = ? ORDER BY seq"
-_READ_SINCE: Final = (
-    "SELECT seq, line FROM rows WHERE key = ? AND (seq = ? OR seq > ?) ORDER BY seq"
-)
 _FENCED: Final = "SELECT fenced, started FROM marks WHERE key = ?"
 _MARK: Final = (
     "INSERT INTO marks (key, rollout, attempt, fenced, started) VALUES (?, ?, ?, ?, ?) "
     "ON CONFLICT (key) DO UPDATE SET fenced = max(fenced, excluded.fenced), "
     "started = max(started, excluded.started)"
 )
-
-_Fetched = list[tuple[int, bytes]]
-
-
-def _parse(lines: Sequence[bytes]) -> list[dict[str, Any]]:
-    """The rows of encoded lines, parsed as one JSON array (D257)."""
-    if not lines:
-        return []
-    rows: list[dict[str, Any]] = json.loads(b"[" + b",".join(lines) + b"]")
-    return rows
 
 
 def _mark(key: str, *, fenced: int, started: int) -> tuple[str, str, int, int, int]:
@@ -138,26 +122,33 @@ class SqliteCaptureLedger(ThreadedLedger):
     # -- reading -------------------------------------------------------------------------------
 
     def _refresh(self, conn: sqlite3.Connection, key: str) -> _Cached | None:
-        """The cached rows of ``key`` brought up to date; ``None`` when it has no row."""
+        """The cached rows of ``key`` brought up to date (one statement); ``None`` when it has no
+        row. Under the key's lock."""
         entry = self._cache.get(key)
-        if entry is not None:
-            fetched: _Fetched = conn.execute(
-                _READ_SINCE, (key, entry.inode, entry.offset)
-            ).fetchall()
-            if fetched and fetched[0][0] == entry.inode:
-                fresh = [line for seq, line in fetched if seq > entry.offset]
-                if fresh:
-                    for row in _parse(fresh):
-                        entry.add(row)
-                    entry.offset = fetched[-1][0]
-                    self._cache.store(key, entry)
-                return entry
-            self._cache.pop(key)  # its first row is gone: removed (and maybe reused) since
-        fetched = conn.execute(_READ_ALL, (key,)).fetchall()
+        first, last = (0, 0) if entry is None else (entry.inode, entry.offset)
+        fetched = read_since_many(conn, [(key, first, last)]).get(key, [])
+        return self._merge(key, entry, first, fetched)
+
+    def _merge(
+        self, key: str, entry: _Cached | None, first: int, fetched: list[tuple[int, str]]
+    ) -> _Cached | None:
+        """Bring ``entry`` (cached as far as ``first`` … its offset) up to date with ``fetched``:
+        row ``first`` if still there, then every row after the offset."""
+        if entry is not None and fetched and fetched[0][0] == first:
+            fresh = [line for seq, line in fetched if seq > entry.offset]
+            if fresh:
+                for row in parse_lines(fresh):
+                    entry.add(row)
+                entry.offset = fetched[-1][0]
+                self._cache.store(key, entry)
+            return entry
+        # Uncached, or its first row is gone: removed (and maybe used again) since. Sequences
+        # are never reused, so every row the key has now came after the cached offset.
+        self._cache.pop(key)
         if not fetched:
             return None
         entry = _Cached(inode=fetched[0][0], offset=fetched[-1][0])
-        for row in _parse([line for _, line in fetched]):
+        for row in parse_lines([line for _, line in fetched]):
             entry.add(row)
         self._cache.store(key, entry)
         return entry
@@ -169,7 +160,7 @@ class SqliteCaptureLedger(ThreadedLedger):
             with self._locks.hold(key):
                 entry = self._refresh(conn, key)
                 return [] if entry is None else list(entry.rows)
-        return _parse([line for _, line in conn.execute(_READ_ALL, (key,)).fetchall()])
+        return read_ledgers(conn, [key])[0]
 
     @staticmethod
     def _fenced(conn: sqlite3.Connection, key: str) -> bool:
@@ -202,14 +193,9 @@ class SqliteCaptureLedger(ThreadedLedger):
         return rows
 
     def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
-        """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""
-        key = validate_ledger_key(rollout_id)
-        with self._db.connection() as conn:
-            with self._locks.hold(key):
-                if key in self._cache:  # the cache's rows are shared: hand out copies
-                    entry = self._refresh(conn, key)
-                    return [] if entry is None else copy.deepcopy(entry.rows)
-            return _parse([line for _, line in conn.execute(_READ_ALL, (key,)).fetchall()])
+        """Every row in commit order, read from the database (rows of its own, not the cache's);
+        ``[]`` without a ledger. Blocking."""
+        return self.export_rows_many([rollout_id])[0]
 
     def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
         """``export_rows`` of each id, in order, read in a few statements (fresh objects, not the
@@ -238,29 +224,12 @@ class SqliteCaptureLedger(ThreadedLedger):
         found = read_since_many(conn, marks)
         staged: dict[str, _Cached | None] = {}
         for key, first, last in marks:
-            fetched = found.get(key, [])
             with self._locks.hold(key):
                 entry = self._cache.get(key)
-                now = (0, 0) if entry is None else (entry.inode, entry.offset)
-                if now != (first, last):
+                if ((0, 0) if entry is None else (entry.inode, entry.offset)) != (first, last):
                     entry = self._refresh(conn, key)  # a reader moved it meanwhile: read it alone
-                elif entry is not None and fetched and fetched[0][0] == first:
-                    fresh = [line for seq, line in fetched if seq > last]
-                    if fresh:
-                        for row in parse_lines(fresh):
-                            entry.add(row)
-                        entry.offset = fetched[-1][0]
-                        self._cache.store(key, entry)
                 else:
-                    # Uncached, or its first row is gone: removed (and maybe used again) since.
-                    # Sequences are never reused, so every row it has now is after ``last``.
-                    self._cache.pop(key)
-                    entry = None
-                    if fetched:
-                        entry = _Cached(inode=fetched[0][0], offset=fetched[-1][0])
-                        for row in parse_lines([line for _, line in fetched]):
-                            entry.add(row)
-                        self._cache.store(key, entry)
+                    entry = self._merge(key, entry, first, found.get(key, []))
                 staged[key] = None if entry is None else copy_entry(entry)
         return staged
 

@@ -106,12 +106,13 @@ async def test_a_cached_ledger_removed_and_reused_by_another_process_is_read_afr
         await second.resolve("r", [])  # the write-side read: second caches "r"
         assert "r" in second._cache
         await first.record(commit("r", 2, output="old"))
-        assert len(second.export_rows("r")) == 3  # the tail is read
+        assert len(second._resolvable_rows("r") or []) == 3  # the cached entry reads the tail
         await first.delete(["r"])
         await first.record(commit("r", 0, output="new"))
-        rows = second.export_rows("r")  # its cached first row is gone: read afresh
-        assert [row["model_call_id"] for row in rows] == ["call-0"]
-        assert rows[0]["digest"] == commit("r", 0, output="new").record.cumulative_hash
+        for rows in (second._resolvable_rows("r") or [], second.export_rows("r")):
+            # its cached first row is gone: read afresh
+            assert [row["model_call_id"] for row in rows] == ["call-0"]
+            assert rows[0]["digest"] == commit("r", 0, output="new").record.cumulative_hash
         await first.retire(["r"])
         await second.record(commit("r", 4))  # second's cache must not resurrect the ledger
         assert stored(first, "SELECT count(*) FROM rows WHERE key = 'r'") == [(0,)]

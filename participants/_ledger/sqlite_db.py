@@ -94,7 +94,7 @@ def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, in
     for start in range(0, len(marks), READ_MANY_KEYS):
         chunk = json.dumps([list(mark) for mark in marks[start : start + READ_MANY_KEYS]])
         (text,) = conn.execute(_READ_SINCE_MANY, (chunk,)).fetchone()
-        for entry in (text or "").splitlines():
+        for entry in (text or "").split("\n")[:-1]:  # each row ends in a newline
             key, seq, line = entry.split("\t", 2)
             found.setdefault(key, []).append((int(seq), line))
     for lines in found.values():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -243,11 +243,6 @@ class FileCaptureLedger(LedgerDirectory):
         key = validate_ledger_key(rollout_id)
         with self._locks.hold(key):
             return copy.deepcopy(self._rows_read_through(key) or [])
-
-    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
-        """``export_rows`` of each id, in order; every id is checked before any is read."""
-        keys = [validate_ledger_key(key) for key in rollout_ids]
-        return [self.export_rows(key) for key in keys]
 
     def close(self) -> None:
         """Commit queued appends, drop the cache and close descriptors; the files stay."""

@@ -80,6 +80,14 @@ Fetched = dict[str, list[tuple[int, str]]]
 """Per key, its ``(seq, line)`` pairs in commit order."""
 
 
+def _batches(items: Sequence[Any], size: int | None = None) -> Iterator[str]:
+    """``items`` as JSON arrays of at most ``size`` (``READ_MANY_KEYS``) each; a tuple is an
+    array too."""
+    size = size or READ_MANY_KEYS
+    for start in range(0, len(items), size):
+        yield json.dumps(list(items[start : start + size]))
+
+
 def _inserted(seq: int | None) -> int:
     if seq is None:
         raise RuntimeError("an insert reported no sequence number")
@@ -91,8 +99,7 @@ def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, in
     row after ``last`` (``(key, 0, 0)``: all its rows). Keys without such rows are left out;
     each key may appear once."""
     found: Fetched = {}
-    for start in range(0, len(marks), READ_MANY_KEYS):
-        chunk = json.dumps([list(mark) for mark in marks[start : start + READ_MANY_KEYS]])
+    for chunk in _batches(marks):
         (text,) = conn.execute(_READ_SINCE_MANY, (chunk,)).fetchone()
         for entry in (text or "").split("\n")[:-1]:  # each row ends in a newline
             key, seq, line = entry.split("\t", 2)
@@ -154,13 +161,6 @@ _WIPE_MARKS: Final = (
     "DELETE FROM marks WHERE key IN (SELECT m.key FROM json_each(?) AS j JOIN marks AS m "
     "ON m.rollout = json_extract(j.value, '$[0]') AND m.attempt >= json_extract(j.value, '$[1]'))"
 )
-
-
-def _batches(items: Sequence[Any], size: int = READ_MANY_KEYS) -> Iterator[str]:
-    for start in range(0, len(items), size):
-        yield json.dumps(
-            [list(i) if isinstance(i, tuple) else i for i in items[start : start + size]]
-        )
 
 
 def keys_with_rows(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:

@@ -62,6 +62,15 @@ class ThreadedLedger:
     def _mark_started(self, key: str) -> bool:
         raise NotImplementedError
 
+    def export_rows(self, rollout_id: str) -> list[dict[str, Any]]:
+        """Every row in commit order (copies); ``[]`` without a ledger. Blocking."""
+        raise NotImplementedError
+
+    def export_rows_many(self, rollout_ids: Sequence[str]) -> list[list[dict[str, Any]]]:
+        """``export_rows`` of each id, in order; every id is checked before any is read."""
+        keys = [validate_ledger_key(key) for key in rollout_ids]
+        return [self.export_rows(key) for key in keys]
+
     def import_rows_many(self, ledgers: Mapping[str, Sequence[Mapping[str, Any]]]) -> None:
         """Install whole ledgers on a fresh server. Blocking."""
         raise NotImplementedError

@@ -55,17 +55,23 @@ async def test_the_database_is_in_wal_mode_and_every_rollout_shares_its_one_file
     assert stored(ledger, "SELECT count(DISTINCT key) FROM rows") == [(25,)]
 
 
-async def test_concurrent_appends_of_many_rollouts_commit_in_few_transactions(
-    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _count_groups(ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The size of every group the commit thread commits from now on."""
     groups: list[int] = []
     real = ledger._commit_group
 
-    def counting(group: list[object]) -> None:
+    def counting(group: list[PendingAppend]) -> None:
         groups.append(len(group))
-        real(group)  # type: ignore[arg-type]
+        real(group)
 
     monkeypatch.setattr(ledger._committer._shards[0], "_commit", counting)
+    return groups
+
+
+async def test_concurrent_appends_of_many_rollouts_commit_in_few_transactions(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    groups = _count_groups(ledger, monkeypatch)
     async with anyio.create_task_group() as group:
         for index in range(200):
             group.start_soon(ledger.record, commit(f"c{index}", 0))
@@ -304,14 +310,7 @@ async def test_a_group_wakes_its_callers_loop_once(
     ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A wake-up from the commit thread is a write that lets go of the GIL (D345)."""
-    groups: list[int] = []
-    real = ledger._commit_group
-
-    def counting(group: list[PendingAppend]) -> None:
-        groups.append(len(group))
-        real(group)
-
-    monkeypatch.setattr(ledger._committer._shards[0], "_commit", counting)
+    groups = _count_groups(ledger, monkeypatch)
     loop = asyncio.get_running_loop()
     wakeups: list[object] = []
     real_wake = loop.call_soon_threadsafe

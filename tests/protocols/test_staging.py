@@ -324,3 +324,96 @@ def test_commit_coords_staged_and_failed() -> None:
 def test_commit_coords_rules(changes: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         CommitCoords.model_validate(_coords(**changes))
+
+
+# -- from_components builds without a second validation pass (D346) ----------------------------
+
+
+@given(staged_records())
+def test_a_built_record_is_the_record_validation_makes_of_its_fields(
+    record: StagedCallRecord,
+) -> None:
+    validated = StagedCallRecord.model_validate(record.model_dump())
+    assert record == validated
+    assert record.model_fields_set == validated.model_fields_set
+    assert record.model_dump_json() == validated.model_dump_json()
+
+
+class _Text(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"rollout_id": ""},
+        {"rollout_id": 1},
+        {"model_call_id": None},
+        {"parent_call_id": ""},
+        {"parent_call_id": 5},
+        {"mode": "chat"},
+        {"mode": "text"},
+        {"prev_len": -1},
+        {"prev_len": True},
+        {"prev_len": 3.0},
+        {"weight_version": -1},
+        {"weight_version": "7"},
+        {"token_ids_delta": [10, True]},
+        {"token_ids_delta": [10, -1]},
+        {"token_ids_delta": [10, 11.0]},
+        {"token_mask_delta": [0.0, 1]},
+        {"token_mask_delta": [0.0, 0.5]},
+        {"generation_log_probs_delta": [0.0, float("nan")]},
+        {"generation_log_probs_delta": [0.0, float("inf")]},
+        {"generation_log_probs_delta": [0.0, -1]},
+        {"chain_hash": "AB" * 32},
+        {"chain_hash": "1" * 63},
+        {"cumulative_hash": 22},
+        {"extras": {1: 2}},
+        {"extras": {"x": float("nan")}},
+        {"extras": {"x": (1, 2)}},
+    ],
+    ids=repr,
+)
+def test_what_validation_refuses_the_builder_refuses_too(changes: dict[str, Any]) -> None:
+    """The builder skips pydantic's pass, so every value it would refuse is refused anyway."""
+    fields = golden_record().model_dump()
+    fields.update(changes)
+    with pytest.raises((ValueError, TypeError)):
+        StagedCallRecord.model_validate(fields)  # validation refuses it (digest aside) ...
+    components = {k: v for k, v in fields.items() if k in _COMPONENTS}
+    with pytest.raises((ValueError, TypeError)):
+        StagedCallRecord.from_components(**components)  # ... and so does the builder
+
+
+_COMPONENTS = frozenset(
+    {
+        "rollout_id", "model_call_id", "parent_call_id", "mode", "prev_len", "weight_version",
+        "token_ids_delta", "token_mask_delta", "generation_log_probs_delta", "chain_hash",
+        "cumulative_hash", "extras",
+    }
+)  # fmt: skip
+
+
+def test_a_text_subclass_id_builds_the_record_validation_makes() -> None:
+    built = golden_record(rollout_id=_Text("rollout-1"))
+    validated = StagedCallRecord.model_validate(golden_record().model_dump())
+    assert built == validated
+    assert built.model_dump_json() == validated.model_dump_json()
+
+
+def test_a_built_record_owns_its_columns_and_extras() -> None:
+    tokens, masks, log_probs = [10, 11], [0.0, 1.0], [0.0, -0.25]
+    extras: dict[str, Any] = {"note": "a"}
+    record = golden_record(
+        token_ids_delta=tokens,
+        token_mask_delta=masks,
+        generation_log_probs_delta=log_probs,
+        extras=extras,
+    )
+    tokens.append(12)
+    masks[0] = 1.0
+    log_probs[1] = -9.0
+    extras["note"] = "changed"
+    assert StagedCallRecord.model_validate(record.model_dump()) == record  # digests still hold
+    assert record.extras == {"note": "a"}

@@ -32,7 +32,12 @@ from operator import ne, not_
 from typing import Any, Final
 
 from ._records import SHA256_HEX_PATTERN
-from ._strict import EXTRAS_DIGEST_VERSION, STAGING_DIGEST_VERSION, STAGING_SCHEMA_VERSION
+from ._strict import (
+    EXACT_FLOAT_TYPES,
+    EXTRAS_DIGEST_VERSION,
+    STAGING_DIGEST_VERSION,
+    STAGING_SCHEMA_VERSION,
+)
 
 CALL_DIGEST_DOMAIN: Final = b"nemo-gym-staging-call-v2"
 EXTRAS_DIGEST_DOMAIN: Final = b"nemo-gym-staging-extras-v1"
@@ -43,7 +48,6 @@ CAPTURE_MODES: Final = ("text", "token_in")
 _U64_MAX: Final = 2**64 - 1
 _DIGEST = re.compile(SHA256_HEX_PATTERN)
 _EXACT_INT: Final = frozenset({int})
-_EXACT_FLOAT: Final = frozenset({float})
 _MASKS: Final = frozenset({0.0, 1.0})
 # The checks below run per token on every staged record. Each first tries the whole column at C
 # speed (the set of its element types; one struct call) and only on a failure walks it item by
@@ -88,7 +92,7 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
 
 def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
     count = len(values)
-    if _EXACT_FLOAT.issuperset(map(type, values)):
+    if EXACT_FLOAT_TYPES.issuperset(map(type, values)):
         try:
             block = struct.pack(f">Q{count}f", count, *values)
         except OverflowError:

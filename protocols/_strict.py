@@ -26,13 +26,14 @@ def _exact_float(value: object) -> object:
     return value
 
 
-_EXACT_FLOAT: Final = frozenset({float})
+EXACT_FLOAT_TYPES: Final = frozenset({float})
+"""What ``set(map(type, column))`` of an all-float column is a subset of."""
 
 
 def _exact_floats(value: object) -> object:
     # One pass over the whole list: a per-item validator costs a Python call per token, and a
     # staged record carries two float lists as long as its token delta.
-    if type(value) is list and not _EXACT_FLOAT.issuperset(map(type, value)):
+    if type(value) is list and not EXACT_FLOAT_TYPES.issuperset(map(type, value)):
         for index, item in enumerate(value):
             if type(item) is not float:
                 raise ValueError(f"item {index}: expected a float, got {type(item).__name__}")

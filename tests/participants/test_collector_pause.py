@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -74,3 +75,44 @@ def test_a_collector_disabled_before_the_first_hold_stays_disabled() -> None:
     gc.enable()
     with pytest.raises(RuntimeError, match="not held"):
         pause.release()
+
+
+def test_what_survived_the_pause_goes_to_the_oldest_generation_unexamined() -> None:
+    # D347: the young collection after the pause would examine everything the pause kept young.
+    pause = CollectorPause()
+    gc.collect()
+    pause.hold()
+    survivors = [[index] for index in range(10_000)]
+    assert gc.get_count()[0] >= len(survivors)
+    pause.release()
+    assert gc.isenabled()
+    assert gc.get_count()[0] < 100  # the young generation starts empty again
+    oldest = {id(obj) for obj in gc.get_objects(generation=2)}
+    assert all(id(item) in oldest for item in survivors)
+
+
+def test_a_cycle_made_during_the_pause_is_found_by_the_next_full_collection() -> None:
+    class Node:
+        partner: object = None
+
+    pause = CollectorPause()
+    pause.hold()
+    node = Node()
+    node.partner = node
+    gone = weakref.ref(node)
+    del node
+    pause.release()
+    gc.collect()
+    assert gone() is None
+
+
+def test_objects_the_process_froze_itself_stay_frozen() -> None:
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        pause = CollectorPause()
+        pause.hold()
+        pause.release()
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -12,7 +12,9 @@ alternate, so both see the same disk.
 - ``pause_s``: prepare sent → resume returned, the time admission stays closed;
 - ``overhead_s``: ``pause_s`` minus the wait for boundaries (each prepare stage's longest
   readiness wait), what the control plane itself costs;
-- ``floor_s`` and ``ratio`` = ``overhead_s / floor_s``.
+- ``floor_s`` and ``ratio`` = ``overhead_s / floor_s``;
+- ``us_per_rollout`` (``overhead_s`` per rollout) and ``slope_us_per_added_rollout`` on each row,
+  and ``slopes`` for ``overhead_s`` and ``pause_s`` between consecutive sizes (D348).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from .common import (
     wait_for,
     write_floor,
 )
+from .growth import add_growth
+from .growth import slopes as slopes_of
 
 SIZES: Final = (100, 1000, 4000)
 SOAK_SIZE: Final = 16_000
@@ -202,7 +206,6 @@ async def measure_size(
         "pause_samples_s": [round(s["pause_s"], 6) for s in samples],
         "cut": min(s["cut"] for s in samples),
         "cut_failed": max(s["cut_failed"] for s in samples),
-        "us_per_rollout": round(overhead / rollouts * 1e6, 1) if rollouts else None,
         "files": files,
         "cut_files": [s["cut_files"] for s in samples],
         "bytes": size,
@@ -243,6 +246,8 @@ def run_checkpoint_bench(
         return rows
 
     rows = anyio.run(main)
+    # us_per_rollout is the overhead's; the pause's slope comes beside it (issue 20, item 4).
+    growth = add_growth(rows, "overhead_s") + slopes_of(rows, "pause_s")
     return {
         "suite": "checkpoint",
         "parking": PARKING,
@@ -250,4 +255,5 @@ def run_checkpoint_bench(
         "cut records), one fsync per file",
         "repeats": repeats,
         "rows": rows,
+        "slopes": growth,
     }

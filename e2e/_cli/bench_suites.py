@@ -145,9 +145,12 @@ def add_suite_commands(bench: typer.Typer) -> None:
                     ("overhead_s", "overhead s"),
                     ("floor_s", "floor s"),
                     ("ratio", "ratio"),
+                    ("us_per_rollout", "µs / rollout"),
+                    ("slope_us_per_added_rollout", "slope µs / added rollout"),
                     ("bytes", "bytes"),
                 ],
             )
+            _print_slopes(payload["slopes"])
             console.print(f"floor: {payload['floor']}")
 
         emit(payload, as_json=as_json, render=render)

@@ -65,6 +65,24 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
         assert row["cut"] == row["rollouts"] and row["cut_failed"] == 0
         assert row["cut_files"] == [1, 1]
         assert row["files"] == 10 + 1
+        assert row["us_per_rollout"] == round(row["overhead_s"] / row["rollouts"] * 1e6, 1)
+    # The growth between the sizes (D348): the overhead's slope and the pause's.
+    small, large = payload["rows"]
+    assert small["slope_us_per_added_rollout"] is None
+    expected = round((large["overhead_s"] - small["overhead_s"]) / 2 * 1e6, 1)
+    assert large["slope_us_per_added_rollout"] == expected
+    assert [(s["figure"], s["from"], s["to"]) for s in payload["slopes"]] == [
+        ("overhead_s", 2, 4),
+        ("pause_s", 2, 4),
+    ]
     assert json.loads((out / "checkpoint.json").read_text())["rows"] == payload["rows"]
     assert (out / "checkpoint.png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     assert list(scratch.iterdir()) == []  # the scratch directory is removed
+
+
+def test_bench_checkpoint_prints_the_slope_between_sizes(tmp_path: Path) -> None:
+    args = ["bench", "checkpoint", "--sizes", "1,2", "--repeats", "1", "--token-delay-ms", "100"]
+    result = runner.invoke(build_app(), [*args, "--dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "slope of overhead_s from 1 to 2 rollouts" in result.stdout
+    assert "slope of pause_s from 1 to 2 rollouts" in result.stdout

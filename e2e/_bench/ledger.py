@@ -35,9 +35,18 @@ from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
 from .ledger_floors import _Floor, _LogFloor, _plant, _ThreadHop
 
 LAYOUTS = ("sqlite", "file")
-OPERATIONS = ("record", "record_concurrent", "manifest", "retire", "delete", "import_rows_many")
+OPERATIONS = (
+    "record",
+    "record_concurrent",
+    "manifest",
+    "manifest_concurrent",
+    "retire",
+    "delete",
+    "import_rows_many",
+)
 IN_FLIGHT = 64
-"""Rollouts recording at once in the ``record_concurrent`` row."""
+"""Rollouts recording at once in the ``record_concurrent`` row, reading at once in
+``manifest_concurrent``."""
 VIA_THREAD = ("record", "manifest")
 """Rows that also show their floor sent through one thread round trip per call (D189, D260)."""
 
@@ -198,6 +207,17 @@ def run_ledger_bench(
             )
         finally:
             cold.close()
+        cold_many = opened(ours_dir)  # again nothing cached, IN_FLIGHT manifests at once
+
+        async def manifest_many(chunk: list[str]) -> None:
+            async with anyio.create_task_group() as group:
+                for key in chunk:
+                    group.start_soon(cold_many.manifest, key)
+
+        try:
+            await alternate("manifest_concurrent", waves, manifest_many, floor.manifest)
+        finally:
+            cold_many.close()
         await alternate("retire", batches, ledger.retire, lambda c: floor.retire([c]))
         if isinstance(ledger, SqliteCaptureLedger):  # untimed: live ledgers to delete
             ledger.import_rows_many(rows)

@@ -43,7 +43,8 @@ def register(app: typer.Typer) -> None:
         ] = LedgerLayoutChoice.sqlite,
         as_json: JsonOption = False,
     ) -> None:
-        """The capture ledger: µs per rollout for record, retire, delete, manifest, import."""
+        """The capture ledger: µs per rollout for record, manifest (alone and 64 at once),
+        retire, delete and import."""
         with tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch:
             payload = run_ledger_bench(
                 Path(scratch), rollouts=rollouts, calls=calls, batch=batch, layout=layout.value

@@ -37,6 +37,7 @@ from .group import (
     PendingAppend,
 )
 from .locks import DEFAULT_STRIPES
+from .reads import FILE_LAYOUT_READ_THREADS, ReadPool
 from .removal import LedgerDirectory
 from .staging import stage_key
 
@@ -91,6 +92,7 @@ class FileCaptureLedger(LedgerDirectory):
         self._committer = GroupCommitter(
             self._commit_group, shards=commit_threads, max_batch=max_commit_batch
         )
+        self._reads = ReadPool(threads=FILE_LAYOUT_READ_THREADS)
 
     # -- paths and small helpers ------------------------------------------------------------
 
@@ -245,6 +247,8 @@ class FileCaptureLedger(LedgerDirectory):
             return copy.deepcopy(self._rows_read_through(key) or [])
 
     def close(self) -> None:
-        """Commit queued appends, drop the cache and close descriptors; the files stay."""
+        """Answer queued reads, commit queued appends, drop the cache and close descriptors; the
+        files stay."""
+        self._reads.close()
         self._committer.close()
         super().close()

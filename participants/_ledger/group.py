@@ -98,10 +98,17 @@ def settle_all(items: list[PendingAppend]) -> None:
         item._settled = True
         if item._loop is not None:
             by_loop.setdefault(item._loop, []).append(item)
-    for loop, waiting in by_loop.items():
+    call_each_loop(by_loop, _wake_each)
+
+
+def call_each_loop(
+    by_loop: dict[asyncio.AbstractEventLoop, list[Any]], callback: Callable[[list[Any]], None]
+) -> None:
+    """From another thread, run ``callback(items)`` on each loop once, with that loop's items."""
+    for loop, items in by_loop.items():
         # A closed loop (RuntimeError) means nobody is waiting any more.
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_wake_each, waiting)
+            loop.call_soon_threadsafe(callback, items)
 
 
 def _wake_each(items: list[PendingAppend]) -> None:

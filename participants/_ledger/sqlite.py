@@ -47,6 +47,7 @@ from .common import (
 from .group import GroupCommitter, PendingAppend, settle_all
 from .layout import SQLITE_DATABASE, refuse_other_layout
 from .locks import StripedThreadLocks
+from .reads import ReadPool
 from .removal import RETIRE_STEPS
 from .sqlite_db import (
     LedgerDatabase,
@@ -118,6 +119,7 @@ class SqliteCaptureLedger(ThreadedLedger):
         # One thread commits every queued append: SQLite takes one writer at a time anyway,
         # and one transaction for everything queued is one fsync for all of it.
         self._committer = GroupCommitter(self._commit_group, shards=1, max_batch=max_commit_batch)
+        self._reads = ReadPool()
 
     # -- reading -------------------------------------------------------------------------------
 
@@ -356,7 +358,9 @@ class SqliteCaptureLedger(ThreadedLedger):
         return self._committer.shards
 
     def close(self) -> None:
-        """Commit queued appends, drop the cache and close every connection; the file stays."""
+        """Answer queued reads, commit queued appends, drop the cache and close every
+        connection; the file stays."""
+        self._reads.close()
         self._committer.close()
         self._cache.clear()
         self._db.close()

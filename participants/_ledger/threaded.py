@@ -2,13 +2,15 @@
 
 ``FileCaptureLedger`` and ``SqliteCaptureLedger`` differ in how they keep rows, fences and start
 markers, not in what their async methods do around that: every id is validated before anything
-changes, every blocking part runs off the event loop, and appends go through the ledger's group
-committer. Each ledger supplies the blocking parts named below.
+changes, every blocking part runs off the event loop, appends go through the ledger's group
+committer and reads through its read pool (D349). Each ledger supplies the blocking parts named
+below.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from functools import partial
 from typing import Any, Final
 
 import anyio.to_thread
@@ -30,6 +32,7 @@ from protocols import (
 )
 
 from .group import GroupCommitter, PendingAppend
+from .reads import ReadPool
 
 RETIRED_UNRESOLVED: Final = LineageResolution(status="unresolved", reason="rollout_retired")
 
@@ -38,6 +41,7 @@ class ThreadedLedger:
     """The shared async methods; subclasses provide the blocking ``_…`` parts and a committer."""
 
     _committer: GroupCommitter
+    _reads: ReadPool
 
     # -- the blocking parts each layout provides ---------------------------------------------------
 
@@ -108,18 +112,18 @@ class ThreadedLedger:
             RolloutRetiredError: The key is retired.
         """
         key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(self._manifest_rows, key)
+        rows = await self._reads.run(partial(self._manifest_rows, key))
         return manifest_from_rows(key, rows)
 
     async def has_rows(self, rollout_id: str) -> bool:
         """Whether the key has any row. Raises ``RolloutRetiredError`` when retired."""
         key = validate_ledger_key(rollout_id)
-        return bool(await anyio.to_thread.run_sync(self._manifest_rows, key))
+        return bool(await self._reads.run(partial(self._manifest_rows, key)))
 
     async def resolve(self, rollout_id: str, request_items: RequestItems) -> LineageResolution:
         """Which recorded call of ``rollout_id`` the request continues."""
         key = validate_ledger_key(rollout_id)
-        rows = await anyio.to_thread.run_sync(self._resolvable_rows, key)
+        rows = await self._reads.run(partial(self._resolvable_rows, key))
         return RETIRED_UNRESOLVED if rows is None else resolve_rows(rows, request_items)
 
     async def resolve_explicit(
@@ -127,7 +131,7 @@ class ThreadedLedger:
     ) -> LineageResolution:
         """Check that the request continues ``parent_call_id`` of ``source_capture_key``."""
         key = validate_ledger_key(source_capture_key)
-        rows = await anyio.to_thread.run_sync(self._resolvable_rows, key)
+        rows = await self._reads.run(partial(self._resolvable_rows, key))
         if rows is None:
             return RETIRED_UNRESOLVED
         return resolve_explicit_rows(rows, parent_call_id, request_items)

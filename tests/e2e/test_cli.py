@@ -70,7 +70,15 @@ def test_bench_ledger_json_lists_every_operation_beside_its_floor(tmp_path: Path
     payload = json.loads(result.output)
     operations = {row["operation"]: row for row in payload["operations"]}
     assert sorted(operations) == sorted(
-        ["record", "record_concurrent", "retire", "delete", "manifest", "import_rows_many"]
+        [
+            "record",
+            "record_concurrent",
+            "retire",
+            "delete",
+            "manifest",
+            "manifest_concurrent",
+            "import_rows_many",
+        ]
     )
     for row in operations.values():
         assert row["us_per_rollout"] > 0 and row["floor_us_per_rollout"] > 0

@@ -54,8 +54,7 @@ EMPTY: Final = _Empty()
 class _Read:
     work: Callable[[], Any]
     context: contextvars.Context
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[Any]
+    future: asyncio.Future[Any]  # on the caller's loop
     result: Any = None
     error: BaseException | None = None
 
@@ -64,7 +63,7 @@ def _wake(done: list[_Read]) -> None:
     """Hand finished reads back, one ``call_soon_threadsafe`` per event loop."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Read]] = {}
     for read in done:
-        by_loop.setdefault(read.loop, []).append(read)
+        by_loop.setdefault(read.future.get_loop(), []).append(read)
     call_each_loop(by_loop, _deliver)
 
 
@@ -124,7 +123,7 @@ class ReadPool:
             RuntimeError: The pool is closed.
         """
         loop = asyncio.get_running_loop()
-        read = _Read(work, contextvars.copy_context(), loop, loop.create_future())
+        read = _Read(work, contextvars.copy_context(), loop.create_future())
         with self._guard:
             if self._closed:
                 raise RuntimeError("the capture ledger is closed")

@@ -148,8 +148,13 @@ def stage_batch(
         sealed = live.staged_count if record is None else plan.count
         sequence = live.sealed_sequence if record is None else plan.sequence
         snapshot = rebuild_generation_cut(staged)
-        ack = GenerationCutPrefixAck(
-            **plan.prefix.model_dump(),
+        prefix = plan.prefix
+        ack = GenerationCutPrefixAck(  # the prefix's fields read directly: no dict per call
+            ticket_id=prefix.ticket_id,
+            rollout_id=prefix.rollout_id,
+            attempt=prefix.attempt,
+            model_call_id=prefix.model_call_id,
+            admitted_at=prefix.admitted_at,
             disposition="durable_prefix",
             cut_kind="active_prefix",
             frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",

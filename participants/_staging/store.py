@@ -28,8 +28,11 @@ import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii
 from pathlib import Path
 from typing import Final
+
+from pydantic import TypeAdapter
 
 from protocols import StagedEntry, TokenStagingStore
 
@@ -41,6 +44,7 @@ SEGMENT_SUFFIX: Final = ".segment.jsonl"
 RESCAN_WINDOW_NS: Final = 2_000_000_000
 """A segment directory modified this recently is rescanned on every read: file times come from a
 coarse clock, so two publications within one tick leave the same modification time."""
+_ENTRY: Final[TypeAdapter[StagedEntry]] = TypeAdapter(StagedEntry)
 
 
 @dataclass(frozen=True)
@@ -67,13 +71,18 @@ class FileTokenStagingStore:
         self._index: dict[str, _Slot] = {}
         self._scanned: set[str] = set()
         self._scanned_mtime_ns = -1
+        self._prefix = f"{self.root}{os.sep}"
 
     def path_of(self, staging_key: str) -> Path:
         """The file that holds ``staging_key`` when it was stored by ``put``."""
+        return Path(self._entry_path(staging_key))
+
+    def _entry_path(self, staging_key: str) -> str:
+        # A string, not a Path: a cut batch removes one name per key (D351).
         if not staging_key:
             raise ValueError("a staging key must be non-empty")
         name = hashlib.sha256(staging_key.encode("utf-8")).hexdigest()
-        return self.root / f"{name}{ENTRY_SUFFIX}"
+        return f"{self._prefix}{name}{ENTRY_SUFFIX}"
 
     def put(self, entry: StagedEntry) -> None:
         """Store ``entry`` durably, replacing any entry under its key."""
@@ -91,14 +100,14 @@ class FileTokenStagingStore:
         keys = [entry.staging_key for entry in entries]
         if len(set(keys)) != len(keys):
             raise ValueError("a batch may hold each staging key once")
-        lines = [
-            _line(entry.staging_key, entry.model_dump_json().encode("utf-8")) for entry in entries
-        ]
+        dump = _ENTRY.dump_json  # bytes, as ``model_dump_json`` would give them encoded
+        lines = [_line(entry.staging_key, dump(entry)) for entry in entries]
         self._publish(lines, keys)
         replaced = False
+        unlink, entry_path = os.unlink, self._entry_path
         for key in keys:
             try:
-                os.unlink(self.path_of(key))
+                unlink(entry_path(key))
             except FileNotFoundError:
                 continue
             replaced = True
@@ -207,7 +216,8 @@ class FileTokenStagingStore:
 
 
 def _line(key: str, body: bytes) -> bytes:
-    return json.dumps(key).encode("utf-8") + b"\t" + body + b"\n"
+    # ``json.dumps(key)`` of a string is exactly this, without its Python layers.
+    return encode_basestring_ascii(key).encode("ascii") + b"\t" + body + b"\n"
 
 
 def _scan(path: Path) -> Iterable[tuple[str, _Slot]]:

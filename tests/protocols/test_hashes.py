@@ -172,6 +172,8 @@ def test_token_ids_must_be_u64_ints(token: object) -> None:
         ({"token_mask_delta": [0.0, 1]}, "finite floats"),
         ({"generation_log_probs_delta": [0.0, 1e39]}, "float32"),
         ({"generation_log_probs_delta": [0.0, math.inf]}, "finite floats"),
+        ({"generation_log_probs_delta": [0.0, math.nan]}, "finite floats"),
+        ({"generation_log_probs_delta": [0.0, -math.inf]}, "finite floats"),
         ({"token_mask_delta": [0.5, 1.0]}, "0.0 or 1.0"),
         ({"generation_log_probs_delta": [-1.0, 0.0]}, "log-prob 0.0"),
         ({"parent_call_id": ""}, "non-empty"),
@@ -192,6 +194,25 @@ def test_the_staging_digest_checks_every_rule(changes: dict[str, object], messag
     fields["cum_len"] = fields["prev_len"] + fields["delta_len"]  # type: ignore[operator]
     with pytest.raises(ValueError, match=message):
         compute_staging_digest(**fields)  # type: ignore[arg-type]
+
+
+def test_float32_extremes_are_accepted_and_hashed_as_float32() -> None:
+    # The finiteness check reads the input, not the packed block (D351): values at float32's edge
+    # pass, and one that rounds to its largest value is packed as that value.
+    edge = -3.4028234663852886e38  # float32's largest magnitude, exactly
+    over = -3.4028235e38  # a float64 just past it that rounds to it
+    fields = golden_record().model_dump(exclude={"digest", "extras"})
+    fields.update(
+        token_ids_delta=[10, 11, 12, 13],
+        token_mask_delta=[0.0, 1.0, 1.0, 1.0],
+        generation_log_probs_delta=[0.0, edge, over, -1e-45],
+        delta_len=4,
+        cum_len=7,
+    )
+    digest = compute_staging_digest(**fields)
+    assert digest == compute_staging_digest(
+        **{**fields, "generation_log_probs_delta": [0.0, edge, edge, -1e-45]}
+    )
 
 
 def test_the_staging_digest_checks_lengths_and_versions() -> None:

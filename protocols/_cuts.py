@@ -84,6 +84,17 @@ class GenerationCutPrefix(StrictWireModel):
         """``(ticket_id, rollout_id, attempt, model_call_id, admitted_at)``: what an ack repeats."""
         return (self.ticket_id, self.rollout_id, self.attempt, self.model_call_id, self.admitted_at)
 
+    def fields(self) -> dict[str, Any]:
+        """The prefix's fields by name, equal to ``model_dump()`` and to its JSON mode (they are
+        strings and numbers), read as attributes: a fifth of the cost at thousands of calls."""
+        return {
+            "ticket_id": self.ticket_id,
+            "rollout_id": self.rollout_id,
+            "attempt": self.attempt,
+            "model_call_id": self.model_call_id,
+            "admitted_at": self.admitted_at,
+        }
+
 
 def inventory_digest(
     checkpoint_id: str, server_name: str, active_prefixes: Iterable[GenerationCutPrefix]
@@ -94,15 +105,10 @@ def inventory_digest(
     mode sorted by ``ticket_id``, sorted keys, compact separators, ASCII, floats in Python's repr.
     """
     prefixes = sorted(active_prefixes, key=lambda prefix: prefix.ticket_id)
-    # A prefix's fields are strings and numbers: read as attributes they are already its JSON
-    # (the same values model_dump(mode="json") gives, a fifth of the cost at thousands of calls).
-    fields = tuple(GenerationCutPrefix.model_fields)
     payload = {
         "checkpoint_id": checkpoint_id,
         "server_name": server_name,
-        "active_prefixes": [
-            {name: getattr(prefix, name) for name in fields} for prefix in prefixes
-        ],
+        "active_prefixes": [prefix.fields() for prefix in prefixes],
     }
     canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode("ascii")).hexdigest()
@@ -261,7 +267,7 @@ class GenerationCutPrefixAck(StrictWireModel):
     @classmethod
     def failure(cls, prefix: GenerationCutPrefix, **terminal: Any) -> Self:
         """A ``durable_failure`` ack for ``prefix`` (optionally with its terminal finish reason)."""
-        return cls(**prefix.model_dump(), disposition="durable_failure", **terminal)
+        return cls(**prefix.fields(), disposition="durable_failure", **terminal)
 
 
 class GenerationCutReceipt(StrictWireModel):

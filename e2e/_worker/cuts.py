@@ -148,13 +148,8 @@ def stage_batch(
         sealed = live.staged_count if record is None else plan.count
         sequence = live.sealed_sequence if record is None else plan.sequence
         snapshot = rebuild_generation_cut(staged)
-        prefix = plan.prefix
-        ack = GenerationCutPrefixAck(  # the prefix's fields read directly: no dict per call
-            ticket_id=prefix.ticket_id,
-            rollout_id=prefix.rollout_id,
-            attempt=prefix.attempt,
-            model_call_id=prefix.model_call_id,
-            admitted_at=prefix.admitted_at,
+        ack = GenerationCutPrefixAck(
+            **plan.prefix.fields(),
             disposition="durable_prefix",
             cut_kind="active_prefix",
             frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
@@ -196,7 +191,7 @@ def terminal_ack(
     if coords.disposition != "staged" or coords.digest is None or coords.staging_key is None:
         return GenerationCutPrefixAck.failure(prefix, terminal_finish_reason=finished.finish_reason)
     return GenerationCutPrefixAck(
-        **prefix.model_dump(),
+        **prefix.fields(),
         disposition="durable_prefix",
         cut_kind="terminal_completion",
         frozen_buffer_id=f"terminal/{checkpoint_id}",

@@ -76,6 +76,13 @@ def test_the_inventory_digest_is_canonical_json_sorted_by_ticket() -> None:
     assert GenerationCutInventory.model_validate_json(inventory.model_dump_json()) == inventory
 
 
+def test_a_prefixs_fields_are_its_dump_in_both_modes() -> None:
+    # inventory_digest, the acks and failure read them; a field added to the model must be here.
+    for prefix in _inventory().active_prefixes:
+        assert prefix.fields() == prefix.model_dump() == prefix.model_dump(mode="json")
+        assert list(prefix.fields()) == list(GenerationCutPrefix.model_fields)
+
+
 def test_an_inventory_with_a_wrong_digest_or_order_is_refused() -> None:
     data = _inventory().model_dump()
     with pytest.raises(ValidationError, match="inventory_digest"):

@@ -79,14 +79,18 @@ def test_a_collector_disabled_before_the_first_hold_stays_disabled() -> None:
 
 def test_what_survived_the_pause_goes_to_the_oldest_generation_unexamined() -> None:
     # D347: the young collection after the pause would examine everything the pause kept young.
+    # Other threads of the test process (xdist's channel) allocate and free objects meanwhile,
+    # so the test reads where the survivors are, not exact collector counts (D352).
     pause = CollectorPause()
     gc.collect()
     pause.hold()
     survivors = [[index] for index in range(10_000)]
-    assert gc.get_count()[0] >= len(survivors)
+    young = {id(obj) for obj in gc.get_objects(generation=0)}
+    assert all(id(item) in young for item in survivors)  # the pause kept them young
+    del young
     pause.release()
     assert gc.isenabled()
-    assert gc.get_count()[0] < 100  # the young generation starts empty again
+    assert gc.get_count()[0] < 1_000  # the young generation starts (nearly) empty again
     oldest = {id(obj) for obj in gc.get_objects(generation=2)}
     assert all(id(item) in oldest for item in survivors)
 
@@ -107,12 +111,16 @@ def test_a_cycle_made_during_the_pause_is_found_by_the_next_full_collection() ->
 
 
 def test_objects_the_process_froze_itself_stay_frozen() -> None:
+    # A frozen object is in no generation. The freeze count itself is not compared: objects
+    # frozen here and freed by another thread meanwhile leave the count lower (D352).
+    kept_frozen = [[index] for index in range(100)]
     gc.freeze()
-    frozen = gc.get_freeze_count()
     try:
         pause = CollectorPause()
         pause.hold()
         pause.release()
-        assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() > 0
+        tracked = {id(obj) for obj in gc.get_objects()}
+        assert not any(id(item) in tracked for item in kept_frozen)
     finally:
         gc.unfreeze()

@@ -273,6 +273,24 @@ def quiet_logs() -> Iterator[None]:
         structlog.configure(**saved)
 
 
+def load_average() -> list[float]:
+    """The 1-, 5- and 15-minute load averages now, rounded to two places.
+
+    Every bench reports them at its start (``loadavg``) and end (``loadavg_end``): on a shared
+    machine a figure means little without the load it was measured under.
+    """
+    return [round(value, 2) for value in os.getloadavg()]
+
+
+def under_load(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Run ``measure``; its payload with ``loadavg`` (at the start) and ``loadavg_end`` added."""
+    before = load_average()
+    payload = measure()
+    payload["loadavg"] = before
+    payload["loadavg_end"] = load_average()
+    return payload
+
+
 def files_under(directory: Path) -> list[Path]:
     """Every regular file under ``directory``, sorted."""
     return sorted(p for p in directory.rglob("*") if p.is_file())

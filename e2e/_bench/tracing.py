@@ -49,7 +49,15 @@ from .._trace.propagation import TRACE_HOOKS
 from .._trace.setup import PROCESS_ATTRIBUTE, SERVER_ATTRIBUTE
 from .._trace.spans_file import SpansFileExporter, SpansFileProcessor
 from .checkpoint import DISPATCH_BATCH, PARKED_WORKLOAD, take_checkpoint
-from .common import PARKING, InProcessCluster, Workload, median, ratio, wait_for
+from .common import (
+    PARKING,
+    InProcessCluster,
+    Workload,
+    load_average,
+    median,
+    ratio,
+    wait_for,
+)
 from .span_costs import span_costs
 
 MODES: Final = ("off", "checkpoints", "on")
@@ -269,7 +277,7 @@ def run_tracing_bench(
     """
     if tracing_on():
         raise RuntimeError("a tracer provider is installed already: the off mode would trace")
-    loadavg = [round(value, 2) for value in os.getloadavg()]
+    loadavg = load_average()
     tracing = _bench_tracing()
     files = SpansFileExporter(directory / "spans", SERVICE)
     spans = files.path
@@ -337,7 +345,7 @@ def run_tracing_bench(
         "on": "the SDK provider, its spans written by a thread to a JSON-lines file as each ends (as "
         "--trace-dir installs), every rollout inside a ROLLOUT_SPAN: everything traced",
         "loadavg": loadavg,
-        "loadavg_end": [round(value, 2) for value in os.getloadavg()],
+        "loadavg_end": load_average(),
         "rounds": rounds,
         "rollouts": rollouts,
         "concurrency": concurrency,

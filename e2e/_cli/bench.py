@@ -9,12 +9,12 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from .._bench.common import quiet_logs
+from .._bench.common import quiet_logs, under_load
 from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
-from .bench_suites import add_suite_commands
-from .output import JsonOption, console, emit, usage_error
+from .bench_suites import add_suite_commands, emit_bench
+from .output import JsonOption, console, usage_error
 from .serve import LedgerLayoutChoice
 
 
@@ -46,8 +46,10 @@ def register(app: typer.Typer) -> None:
         """The capture ledger: µs per rollout for record, manifest (alone and 64 at once),
         retire, delete and import."""
         with tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch:
-            payload = run_ledger_bench(
-                Path(scratch), rollouts=rollouts, calls=calls, batch=batch, layout=layout.value
+            payload = under_load(
+                lambda: run_ledger_bench(
+                    Path(scratch), rollouts=rollouts, calls=calls, batch=batch, layout=layout.value
+                )
             )
 
         def render() -> None:
@@ -77,7 +79,7 @@ def register(app: typer.Typer) -> None:
                     f"run on the event loop, so every {name} pays such a round trip."
                 )
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)
 
     @bench.command("hotpath")
     def hotpath_command(
@@ -99,8 +101,10 @@ def register(app: typer.Typer) -> None:
             tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,
             quiet_logs(),
         ):
-            payload = run_hotpath_bench(
-                Path(scratch), rollouts=rollouts, calls=calls, layout=layout.value
+            payload = under_load(
+                lambda: run_hotpath_bench(
+                    Path(scratch), rollouts=rollouts, calls=calls, layout=layout.value
+                )
             )
 
         def render() -> None:
@@ -120,7 +124,7 @@ def register(app: typer.Typer) -> None:
                 f"{payload['ratio']:.2f}x that. Wall: {payload['wall_us_per_call']:.1f} µs / call."
             )
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)
 
     @bench.command("tracing")
     def tracing_command(
@@ -161,8 +165,7 @@ def register(app: typer.Typer) -> None:
                 title=f"tracing: median of {rounds} round{'s' if rounds > 1 else ''}, {rollouts} rollouts "
                 f"({payload['calls_per_rollout']} model calls, "
                 f"{payload['http_requests_per_rollout']:g} requests each), {concurrency} in "
-                f"flight, {parked} parked at the checkpoint; load average "
-                f"{payload['loadavg'][0]:g}"
+                f"flight, {parked} parked at the checkpoint"
             )
             for column in (
                 "mode",
@@ -211,4 +214,4 @@ def register(app: typer.Typer) -> None:
                 f"file written: {micro['span_on_ns']:.0f} ns."
             )
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)

@@ -18,7 +18,7 @@ import typer
 from rich.table import Table
 
 from .._bench.checkpoint import PARKED_WORKLOAD, SIZES, SOAK_SIZE, run_checkpoint_bench
-from .._bench.common import quiet_logs
+from .._bench.common import quiet_logs, under_load
 from .._bench.output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.restore import run_restore_bench
@@ -78,7 +78,7 @@ def _run(
         quiet_logs(),
         tempfile.TemporaryDirectory(prefix=f"midflight-bench-{suite}-", dir=directory) as scratch,
     ):
-        payload = measure(Path(scratch), profiler.section if profiler else None)
+        payload = under_load(lambda: measure(Path(scratch), profiler.section if profiler else None))
     if profiler is not None:
         payload["profile"] = [str(path) for path in profiler.write()]
     if out is not None:
@@ -87,6 +87,25 @@ def _run(
             written.append(plot_checkpoint(payload["rows"], out / PLOT_FILE))
         payload["written"] = [str(path) for path in written]
     return payload
+
+
+def print_load(payload: dict[str, Any]) -> None:
+    """The line under every bench table: the load average it ran under, start and end."""
+    start, end = payload["loadavg"], payload["loadavg_end"]
+    console.print(
+        f"load average (1, 5, 15 min): {', '.join(f'{v:g}' for v in start)} at the start, "
+        f"{', '.join(f'{v:g}' for v in end)} at the end"
+    )
+
+
+def emit_bench(payload: dict[str, Any], *, as_json: bool, render: Callable[[], None]) -> None:
+    """``emit`` for a bench: the table for people ends with the load average it ran under."""
+
+    def render_with_load() -> None:
+        render()
+        print_load(payload)
+
+    emit(payload, as_json=as_json, render=render_with_load)
 
 
 def _sizes(text: str | None, default: Sequence[int], soak: bool) -> list[int]:
@@ -153,7 +172,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             _print_slopes(payload["slopes"])
             console.print(f"floor: {payload['floor']}")
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)
 
     @bench.command("overhead")
     def overhead_command(
@@ -208,7 +227,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             )
             console.print(f"floor: {payload['floor']}; {payload['checkpoints']} checkpoints taken")
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)
 
     @bench.command("restore")
     def restore_command(
@@ -253,7 +272,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             _print_slopes(payload["slopes"])
             console.print(f"floor: {payload['floor']}")
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)
 
     @bench.command("scale")
     def scale_command(
@@ -302,4 +321,4 @@ def add_suite_commands(bench: typer.Typer) -> None:
                 f"largest clean: {payload['largest_clean']}; limited by: {payload['limited_by']}"
             )
 
-        emit(payload, as_json=as_json, render=render)
+        emit_bench(payload, as_json=as_json, render=render)

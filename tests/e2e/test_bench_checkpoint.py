@@ -54,6 +54,7 @@ def test_bench_checkpoint_parks_every_rollout_and_reports_a_ratio(tmp_path: Path
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert "in-process" in payload["parking"] and "fsync" in payload["floor"]
+    assert len(payload["loadavg"]) == len(payload["loadavg_end"]) == 3  # its load, start and end
     assert [row["rollouts"] for row in payload["rows"]] == [2, 4]
     for row in payload["rows"]:
         assert set(row) >= ROW_FIELDS

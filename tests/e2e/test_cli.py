@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from importlib.metadata import version
@@ -107,6 +108,28 @@ def test_bench_ledger_table_notes_the_thread_round_trip(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "record" in result.output and "round trip" in result.output
     assert "every manifest pays" in result.output
+
+
+@pytest.mark.parametrize("suite", ["ledger", "hotpath"])
+def test_a_bench_reports_the_load_average_at_its_start_and_its_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, suite: str
+) -> None:
+    # A figure on a shared machine is read beside its load (D353).
+    readings = iter([(1.5, 1.25, 1.0), (2.5, 2.25, 2.0)])
+    monkeypatch.setattr(os, "getloadavg", lambda: next(readings))
+    args = ["bench", suite, "--rollouts", "2", "--calls", "2", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads(result.output)
+    assert payload["loadavg"] == [1.5, 1.25, 1.0]
+    assert payload["loadavg_end"] == [2.5, 2.25, 2.0]
+    readings = iter([(0.5, 0.25, 0.75), (3.0, 2.0, 1.0)])
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert (
+        "load average (1, 5, 15 min): 0.5, 0.25, 0.75 at the start, 3, 2, 1 at the end"
+        in result.output
+    )
 
 
 @pytest.mark.parametrize("command", [["status"], ["drill"], ["restore"], ["serve", "worker"]])

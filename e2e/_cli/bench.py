@@ -14,7 +14,7 @@ from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
 from .bench_suites import add_suite_commands, emit_bench
-from .output import JsonOption, console, usage_error
+from .output import JsonOption, console, print_whole, usage_error
 from .serve import LedgerLayoutChoice
 
 
@@ -58,7 +58,9 @@ def register(app: typer.Typer) -> None:
                 f"calls, batches of {batch}"
             )
             for column in ("operation", "µs / rollout", "floor µs / rollout", "ratio"):
-                table.add_column(column, justify="left" if column == "operation" else "right")
+                table.add_column(
+                    column, justify="left" if column == "operation" else "right", overflow="fold"
+                )
             for row in payload["operations"]:
                 table.add_row(
                     row["operation"],
@@ -66,7 +68,7 @@ def register(app: typer.Typer) -> None:
                     f"{row['floor_us_per_rollout']:.1f}",
                     f"{row['ratio']:.2f}x",
                 )
-            console.print(table)
+            print_whole(table)
             for row in payload["operations"]:
                 if "floor_via_thread_us_per_rollout" not in row:
                     continue
@@ -113,11 +115,13 @@ def register(app: typer.Typer) -> None:
                 f"{calls} calls, fsync stubbed"
             )
             for column in ("step", "CPU µs / call", "share"):
-                table.add_column(column, justify="left" if column == "step" else "right")
+                table.add_column(
+                    column, justify="left" if column == "step" else "right", overflow="fold"
+                )
             for row in payload["steps"]:
                 table.add_row(row["step"], f"{row['cpu_us_per_call']:.1f}", f"{row['share']:.1%}")
             table.add_row("total", f"{payload['cpu_us_per_call']:.1f}", "100.0%")
-            console.print(table)
+            print_whole(table)
             console.print(
                 f"floor (one read and one append, each through one thread round trip): "
                 f"{payload['floor_cpu_us_per_call']:.1f} CPU µs / call; ours is "
@@ -175,7 +179,9 @@ def register(app: typer.Typer) -> None:
                 "spans / rollout",
                 "spans / checkpoint",
             ):
-                table.add_column(column, justify="left" if column == "mode" else "right")
+                table.add_column(
+                    column, justify="left" if column == "mode" else "right", overflow="fold"
+                )
             table.add_row(
                 "off (floor)",
                 f"{payload['off_us_per_call']:.1f}",
@@ -200,7 +206,7 @@ def register(app: typer.Typer) -> None:
                 f"{payload['spans_per_rollout']:g}",
                 f"{payload['spans_per_checkpoint']:g}",
             )
-            console.print(table)
+            print_whole(table)
             micro = payload["span_call"]
             console.print(
                 f"on - off: {payload['overhead_us_per_call']:.1f} µs / call "

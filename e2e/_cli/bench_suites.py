@@ -23,7 +23,7 @@ from .._bench.output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.restore import run_restore_bench
 from .._bench.scale import LADDER, run_scale_bench
-from .output import JsonOption, console, emit
+from .output import JsonOption, console, emit, print_whole
 
 DirOption = Annotated[
     Path | None,
@@ -42,7 +42,7 @@ ProfileOption = Annotated[
 def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
     table = Table(title=title)
     for _key, heading in columns:
-        table.add_column(heading, justify="right")
+        table.add_column(heading, justify="right", overflow="fold")
     for row in rows:
         cells = []
         for key, _heading in columns:
@@ -52,7 +52,7 @@ def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[s
             else:
                 cells.append("—" if value is None else str(value))
         table.add_row(*cells)
-    console.print(table)
+    print_whole(table)
 
 
 def _print_slopes(slopes: Sequence[dict[str, Any]]) -> None:

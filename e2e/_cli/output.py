@@ -8,18 +8,36 @@ from collections.abc import Callable
 from typing import Annotated, Any, Final, NoReturn
 
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.markup import escape
 
 JsonOption = Annotated[
     bool, typer.Option("--json", help="Print one JSON object instead of the readable summary.")
 ]
 
+WIDEST_TABLE: Final = 1_000
+"""The most columns a table printed to a file or a pipe may take (``print_whole``)."""
+
 EXIT_USAGE: Final = 2
 """A command given what it cannot act on (a missing directory, options that can never pass)."""
 
 console = Console(highlight=False)
 error_console = Console(stderr=True, highlight=False)
+
+
+def print_whole(renderable: RenderableType) -> None:
+    """Print a table with no figure cut short.
+
+    To a terminal it prints at the terminal's width, where a column too narrow wraps its cells
+    (the tables fold their cells rather than end them in an ellipsis). To a file or a pipe, where
+    rich would assume 80 columns, it prints as wide as the table needs: a saved bench run keeps
+    every digit.
+    """
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    natural = console.measure(renderable, options=console.options.update_width(WIDEST_TABLE))
+    Console(highlight=False, width=max(console.width, natural.maximum)).print(renderable)
 
 
 def emit(payload: dict[str, Any], *, as_json: bool, render: Callable[[], None]) -> None:

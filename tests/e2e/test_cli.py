@@ -132,6 +132,35 @@ def test_a_bench_reports_the_load_average_at_its_start_and_its_end(
     )
 
 
+def test_a_bench_table_written_to_a_file_keeps_every_figure_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rich assumes 80 columns when stdout is not a terminal; ten columns of figures then ended in
+    # "0.05…". The measurement is replaced: this is about what the table prints.
+    import e2e._cli.bench_suites as suites
+
+    row = {
+        "rollouts": 16000,
+        "parked": 16000,
+        "pause_s": 3.461234,
+        "boundary_wait_s": 0.022111,
+        "overhead_s": 3.439123,
+        "floor_s": 0.138234,
+        "ratio": 24.88,
+        "us_per_rollout": 214.9,
+        "slope_us_per_added_rollout": 221.4,
+        "bytes": 48317874,
+    }
+    payload = {"parking": "in-process", "floor": "the same bytes", "rows": [row], "slopes": []}
+    monkeypatch.setattr(suites, "run_checkpoint_bench", lambda *a, **k: dict(payload))
+    args = ["bench", "checkpoint", "--sizes", "16000", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    assert "…" not in result.output
+    for figure in ("16000", "3.461", "0.02211", "3.439", "0.1382", "24.88", "214.9", "48317874"):
+        assert figure in result.output, figure
+
+
 @pytest.mark.parametrize("command", [["status"], ["drill"], ["restore"], ["serve", "worker"]])
 def test_help_shows_no_value_placeholder_for_a_flag(command: list[str]) -> None:
     result = runner.invoke(build_app(), [*command, "--help"], env={"COLUMNS": "120"})

@@ -89,7 +89,7 @@ def _run(
     return payload
 
 
-def print_load(payload: dict[str, Any]) -> None:
+def _print_load(payload: dict[str, Any]) -> None:
     """The line under every bench table: the load average it ran under, start and end."""
     start, end = payload["loadavg"], payload["loadavg_end"]
     console.print(
@@ -103,7 +103,7 @@ def emit_bench(payload: dict[str, Any], *, as_json: bool, render: Callable[[], N
 
     def render_with_load() -> None:
         render()
-        print_load(payload)
+        _print_load(payload)
 
     emit(payload, as_json=as_json, render=render_with_load)
 

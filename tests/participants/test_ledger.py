@@ -15,6 +15,7 @@ from structlog.testing import capture_logs
 
 from participants import FileCaptureLedger, MemoryCaptureLedger, SqliteCaptureLedger
 from participants._ledger.common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
+from participants._ledger.staging import copy_entry
 from protocols import (
     CaptureLedger,
     InvalidRolloutIdError,
@@ -268,6 +269,34 @@ async def test_retire_and_delete_leave_no_cached_rows(ledger: Ledger) -> None:
     await ledger.retire([f"k{i}" for i in range(5)])
     await ledger.delete([f"k{i}" for i in range(5, 10)])
     assert ledger.cache_sizes() == {"ledger_rollouts": 0, "ledger_rows": 0}
+
+
+@pytest.mark.parametrize("layout", [FileCaptureLedger, SqliteCaptureLedger])
+async def test_rows_cached_by_a_reader_after_a_retire_never_let_a_late_row_in(
+    layout: type[FileCaptureLedger | SqliteCaptureLedger], tmp_path: Path
+) -> None:
+    # A reader refreshes a key under the key's lock, but a retire drops the cached rows without
+    # it: a read that began before the retire can store the rows it read after the drop. Every
+    # write reads the key's rows from the store again (D355), so the stale entry is noticed even
+    # when nothing else has written since this process's last commit.
+    ledger = layout(tmp_path / "ledger")
+    try:
+        await ledger.record(commit("r", 0))
+        await ledger.record(commit("r", 1))
+        cached = ledger._cache.get("r")
+        assert cached is not None
+        stale = copy_entry(cached)
+        await ledger.retire(["r"])
+        ledger._cache.store("r", stale)  # the reader's store lands after the retire's drop
+        await ledger.record(commit("other", 0))  # this process commits once more in between
+        with capture_logs() as logs:
+            await ledger.record(commit("r", 2))
+        assert ledger.export_rows("r") == []
+        assert [e["event"] for e in logs] == ["ledger_late_write_discarded"]
+        with pytest.raises(RolloutRetiredError):
+            await ledger.manifest("r")
+    finally:
+        ledger.close()
 
 
 _SUFFIXES = st.sampled_from((*CAPTURE_FILE_SUFFIXES, ".other", ".lineage.jsonl.tmp", ""))

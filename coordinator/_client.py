@@ -38,7 +38,7 @@ from protocols import (
     RetireReply,
     RetireRequest,
     StatusReply,
-    dump_wire,
+    encode_wire,
 )
 
 from ._retry import DEFAULT_CONTROL_ATTEMPTS, RetryingCaller, RetryPolicy
@@ -122,7 +122,7 @@ class ControlClient:
         budget: Callable[[], float],
         deadline_ts: float | None = None,
     ) -> R:
-        wire = None if body is None else dump_wire(body)
+        wire = None if body is None else encode_wire(body)
         payload = await self._caller.call(
             method, f"/{route}", wire, budget=budget, deadline_ts=deadline_ts
         )

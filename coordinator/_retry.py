@@ -154,8 +154,13 @@ class RetryingCaller:
             with anyio.fail_after(budget):
                 headers: dict[str, str] = {}
                 inject_headers(headers)  # the participant's span continues this trace
+                if isinstance(body, bytes):  # encoded already (``encode_wire``)
+                    headers["content-type"] = "application/json"
+                    sent: dict[str, Any] = {"content": body}
+                else:
+                    sent = {"json": body}
                 reply = await self._http.request(
-                    method, path, json=body, timeout=budget, headers=headers
+                    method, path, timeout=budget, headers=headers, **sent
                 )
         except TimeoutError:
             raise TimeoutError(
@@ -190,7 +195,8 @@ class RetryingCaller:
         Args:
             method: The HTTP method.
             path: The route, relative to the prefix.
-            body: The JSON body (``None`` for none); the same body goes out on every attempt.
+            body: The JSON body (``None`` for none), or its encoded bytes; the same body goes
+                out on every attempt.
             budget: Seconds each attempt may take, asked afresh before each one.
             deadline_ts: No attempt starts at or after this wall-clock time.
 

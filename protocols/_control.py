@@ -190,3 +190,13 @@ CONTROL_ROUTES: Final[dict[str, tuple[str, type[BaseModel] | None, type[BaseMode
 def dump_wire(model: BaseModel) -> dict[str, Any]:
     """A wire model as the JSON object that goes on the wire."""
     return model.model_dump(mode="json")
+
+
+def encode_wire(model: BaseModel) -> bytes:
+    """A wire model as the JSON bytes that go on the wire: :func:`dump_wire`'s object, encoded.
+
+    pydantic-core writes the bytes from the model in one step. A restore names every episode it
+    continues: at 16,000 rollouts, building the object and passing it through ``json.dumps`` took
+    9-14 ms per participant, this 2.5-2.8 ms (D357).
+    """
+    return model.__pydantic_serializer__.to_json(model)

@@ -15,6 +15,7 @@ from pathlib import PurePath
 from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+from pydantic_core import from_json
 
 from ._ids import InstanceName, validate_safe_name
 from ._phases import PARTICIPANT_KINDS, ParticipantKind
@@ -86,13 +87,30 @@ def encode_record_line(record: Mapping[str, Any]) -> bytes:
     return _RECORD_ENCODER.encode(record).encode("ascii") + b"\n"
 
 
+def decode_json(data: str | bytes) -> Any:
+    """The value of ``json.loads(data)``, parsed by pydantic-core's parser where it can be.
+
+    pydantic-core parses the JSON this project writes two to three times faster than ``json``
+    (D356). Where it refuses text ``json`` accepts (a lone surrogate escape such as ``"\\ud800"``,
+    nesting deeper than its limit of 200, UTF-16 input) or refuses at all, ``json.loads`` parses
+    the text again, so the value, or the error, is always the one ``json.loads`` gives.
+
+    Raises:
+        ValueError: ``data`` is not JSON (``json.JSONDecodeError`` or ``UnicodeDecodeError``).
+    """
+    try:
+        return from_json(data)
+    except ValueError:
+        return json.loads(data)
+
+
 def decode_record_line(line: bytes) -> dict[str, Any]:
     """Parse one records-file line. ``NaN`` and ``Infinity`` are accepted on read.
 
     Raises:
         ValueError: The line is not a JSON object.
     """
-    value = json.loads(line)
+    value = decode_json(line)
     if not isinstance(value, dict):
         raise ValueError(f"a record must be a JSON object, got {type(value).__name__}")
     return value

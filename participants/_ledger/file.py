@@ -10,7 +10,6 @@ durability argument are in ``docs/capture-ledger.md``.
 from __future__ import annotations
 
 import copy
-import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +19,7 @@ import structlog
 
 from protocols import (
     RolloutRetiredError,
+    decode_json,
     encode_row,
     validate_ledger_key,
 )
@@ -54,7 +54,9 @@ def _parse_lines(data: bytes) -> tuple[list[dict[str, Any]], int]:
     complete = data.rfind(b"\n") + 1
     if complete == 0:
         return [], 0
-    rows: list[dict[str, Any]] = json.loads(b"[" + data[: complete - 1].replace(b"\n", b",") + b"]")
+    rows: list[dict[str, Any]] = decode_json(
+        b"[" + data[: complete - 1].replace(b"\n", b",") + b"]"
+    )
     return rows, complete
 
 

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from protocols import decode_json
+
 from .._storage.durable import make_directory_durable
 
 SCHEMA_VERSION: Final = 1
@@ -111,7 +113,7 @@ def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, in
 
 def parse_lines(lines: Sequence[str]) -> list[dict[str, Any]]:
     """The rows of ledger lines, parsed as one JSON array."""
-    rows: list[dict[str, Any]] = json.loads("[" + ",".join(lines) + "]")
+    rows: list[dict[str, Any]] = decode_json("[" + ",".join(lines) + "]")
     return rows
 
 

@@ -26,6 +26,7 @@ from protocols import (
     RetireRequest,
     StatusReply,
     dump_wire,
+    encode_wire,
 )
 from protocols._control import CONTROL_ROUTES
 
@@ -59,6 +60,7 @@ def test_golden_json_round_trips_exactly(name: str, model: type[BaseModel]) -> N
     golden = _golden(name)
     parsed = model.model_validate_json(json.dumps(golden))
     assert dump_wire(parsed) == golden
+    assert json.loads(encode_wire(parsed)) == golden  # the bytes a client sends (D357)
 
 
 def test_every_route_is_pinned() -> None:

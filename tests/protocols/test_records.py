@@ -8,9 +8,12 @@ import math
 from pathlib import PurePosixPath
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocols import (
     build_manifest,
+    decode_json,
     decode_record_line,
     encode_record_line,
     is_records_file_name,
@@ -50,6 +53,54 @@ def test_a_line_must_be_a_json_object(line: bytes) -> None:
 
 def test_decoding_keeps_key_order() -> None:
     assert list(decode_record_line(b'{"b": 1, "a": 2, "c": 3}')) == ["b", "a", "c"]
+
+
+_JSON_VALUES = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**80), max_value=2**80)
+    | st.floats()  # NaN and both infinities too: a records line may hold them on read
+    | st.text(st.characters(exclude_categories=())),  # lone surrogates too
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    max_leaves=20,
+)
+
+
+@given(_JSON_VALUES, st.booleans())
+def test_decode_json_gives_what_json_loads_gives(value: object, ascii_only: bool) -> None:
+    text = json.dumps(value, ensure_ascii=ascii_only)
+    # ``repr`` tells an int from a float, -0.0 from 0.0, and matches NaN with NaN.
+    assert repr(decode_json(text)) == repr(json.loads(text))
+    assert repr(decode_json(text.encode("utf-8", "surrogatepass"))) == repr(json.loads(text))
+
+
+@given(_JSON_VALUES, st.integers(min_value=0), st.binary(max_size=3))
+def test_decode_json_refuses_what_json_loads_refuses(value: object, at: int, junk: bytes) -> None:
+    data = json.dumps(value).encode()
+    at %= len(data) + 1
+    damaged = data[:at] + junk + data[at + len(junk) :]
+    try:
+        expected = repr(json.loads(damaged))
+    except ValueError:
+        with pytest.raises(ValueError):
+            decode_json(damaged)
+    else:
+        assert repr(decode_json(damaged)) == expected
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ('"\\ud800"', "\ud800"),  # pydantic-core refuses a lone surrogate escape
+        ("[" * 300 + "]" * 300, json.loads("[" * 300 + "]" * 300)),  # and nesting past 200
+        ('{"a": 1, "b": 2, "a": 3}', {"a": 3, "b": 2}),
+    ],
+)
+def test_decode_json_falls_back_to_json_where_pydantic_core_refuses(
+    text: str, value: object
+) -> None:
+    assert decode_json(text) == value
+    assert decode_json(text.encode()) == value
 
 
 def test_manifest_bytes_are_pinned() -> None:

@@ -19,6 +19,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -280,6 +281,30 @@ def load_average() -> list[float]:
     machine a figure means little without the load it was measured under.
     """
     return [round(value, 2) for value in os.getloadavg()]
+
+
+_STAGE_REPORT: ContextVar[Callable[[str], None] | None] = ContextVar("bench_stage", default=None)
+
+
+def stage(text: str) -> None:
+    """Say what the bench does now (``"16,000 rollouts · restoring"``) to whoever watches it.
+
+    The command line draws it on stderr; a bench run from code reports to no one. The report
+    travels in a context variable, so it reaches a measurement inside ``anyio.run`` and its tasks.
+    """
+    report = _STAGE_REPORT.get()
+    if report is not None:
+        report(text)
+
+
+@contextmanager
+def reporting_stages(report: Callable[[str], None]) -> Iterator[None]:
+    """Send every :func:`stage` said inside this block to ``report``."""
+    token = _STAGE_REPORT.set(report)
+    try:
+        yield
+    finally:
+        _STAGE_REPORT.reset(token)
 
 
 def under_load(measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:

@@ -30,7 +30,7 @@ import anyio
 from protocols import EpisodeId
 
 from .checkpoint import take_checkpoint
-from .common import PARKING, InProcessCluster, Workload
+from .common import PARKING, InProcessCluster, Workload, stage
 
 MODES: Final = ("disabled", "idle", "periodic")
 THROUGHPUT_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=16, token_delay_ms=1.0)
@@ -125,6 +125,7 @@ def run_overhead_bench(
         results = []
         for index in range(rounds):
             for mode in MODES:
+                stage(f"window {index + 1} of {rounds} · {mode} · {seconds:g} s")
                 results.append(
                     await _throughput_round(
                         directory / f"round{index}-{mode}",

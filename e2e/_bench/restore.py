@@ -29,7 +29,7 @@ from coordinator import checkpoint_directory, read_latest
 from protocols import EpisodeId
 
 from .checkpoint import PARKED_WORKLOAD, park, take_checkpoint
-from .common import PARKING, InProcessCluster, Workload, files_under, median, ratio
+from .common import PARKING, InProcessCluster, Workload, files_under, median, ratio, stage
 from .common import write_floor as write_same_bytes
 from .growth import add_growth, us_per_rollout
 
@@ -61,8 +61,10 @@ async def _park_and_crash(
     started = time.perf_counter()
     first = InProcessCluster(run_root, parked)
     async with first.running(), anyio.create_task_group() as group:
+        stage(f"{len(episodes):,} rollouts · parking")
         await park(first, len(episodes), group, within_s=max(120.0, len(episodes) * 0.05))
         park_s = time.perf_counter() - started
+        stage(f"{len(episodes):,} rollouts · checkpoint before the crash")
         taken = await take_checkpoint(first, "before-crash", episodes)
         group.cancel_scope.cancel()  # the crash: every rollout of this incarnation is gone
     return park_s, taken
@@ -94,6 +96,7 @@ async def crash_restore_cycle(
     async with second.running():
         coordinator = second.coordinator
         assert coordinator is not None
+        stage(f"{rollouts:,} rollouts · restoring")
         with (profiler or nullcontext)():
             begun = time.perf_counter()
             replies = await coordinator.restore(
@@ -106,6 +109,7 @@ async def crash_restore_cycle(
             key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
         }
         if finish:
+            stage(f"{rollouts:,} rollouts · finishing every restored rollout")
             finish_started = time.perf_counter()
 
             async def run_one(episode: EpisodeId) -> None:
@@ -116,6 +120,7 @@ async def crash_restore_cycle(
                 for episode in continued:
                     group.start_soon(run_one, episode)
             finish_s = time.perf_counter() - finish_started
+    stage(f"{rollouts:,} rollouts · floor")
     floor_s, files, size = read_and_write_floor(directory, root / "floor")
     wanted = {episode.next_attempt().capture_key for episode in episodes}
     row: dict[str, Any] = {

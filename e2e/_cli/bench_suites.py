@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any
@@ -18,12 +18,13 @@ import typer
 from rich.table import Table
 
 from .._bench.checkpoint import PARKED_WORKLOAD, SIZES, SOAK_SIZE, run_checkpoint_bench
-from .._bench.common import quiet_logs, under_load
+from .._bench.common import quiet_logs, reporting_stages, under_load
 from .._bench.output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.restore import run_restore_bench
 from .._bench.scale import LADDER, run_scale_bench
-from .output import JsonOption, console, emit, print_whole
+from .bench_progress import BenchProgress
+from .output import JsonOption, console, emit, error_console, print_whole
 
 DirOption = Annotated[
     Path | None,
@@ -71,13 +72,19 @@ def _run(
     directory: Path | None,
     out: Path | None,
     profile: Path | None,
+    as_json: bool,
 ) -> dict[str, Any]:
-    """Measure in a scratch directory, with an optional profile; write ``--out`` files."""
+    """Measure in a scratch directory, with an optional profile and, without ``--json``, its
+    progress on stderr; write ``--out`` files."""
     profiler = Profile(profile) if profile is not None else None
     with (
         quiet_logs(),
+        ExitStack() as shown,
         tempfile.TemporaryDirectory(prefix=f"midflight-bench-{suite}-", dir=directory) as scratch,
     ):
+        if not as_json:
+            progress = shown.enter_context(BenchProgress(error_console, suite))
+            shown.enter_context(reporting_stages(progress.on_stage))
         payload = under_load(lambda: measure(Path(scratch), profiler.section if profiler else None))
     if profiler is not None:
         payload["profile"] = [str(path) for path in profiler.write()]
@@ -150,6 +157,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             directory=directory,
             out=out,
             profile=profile,
+            as_json=as_json,
         )
 
         def render() -> None:
@@ -203,6 +211,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             directory=directory,
             out=out,
             profile=profile,
+            as_json=as_json,
         )
 
         def render() -> None:
@@ -252,6 +261,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             directory=directory,
             out=out,
             profile=profile,
+            as_json=as_json,
         )
 
         def render() -> None:
@@ -295,6 +305,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
             directory=directory,
             out=out,
             profile=None,
+            as_json=as_json,
         )
 
         def render() -> None:

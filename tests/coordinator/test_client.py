@@ -100,3 +100,15 @@ async def test_status_404_means_not_a_participant() -> None:
 def test_a_control_client_needs_a_token() -> None:
     with pytest.raises(ValueError, match="token"):
         ControlClient("http://p", token="")
+
+
+async def test_a_request_goes_out_as_json_bytes_with_a_json_content_type() -> None:
+    # D357: the body is the bytes pydantic-core writes; a server that reads the content type
+    # (not only FastAPI, which parses a body without one) must still see JSON.
+    transport, seen = scripted(PREPARED)
+    deadline = time.time() + 30
+    async with ControlClient("http://p", token="t", transport=transport, wait=wait_none()) as c:
+        await c.prepare("c1", deadline)
+    (request,) = seen
+    assert request.headers["content-type"] == "application/json"
+    assert json.loads(request.content) == {"checkpoint_id": "c1", "deadline_ts": deadline}

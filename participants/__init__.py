@@ -18,7 +18,13 @@ Fault switches and kill points for tests and drills live in :mod:`participants.t
 from ._agent.hooks import AgentSessionHooks, CounterSessionHooks, RestoredAgentSession
 from ._agent.participant import AgentParticipant
 from ._agent.restart_only import RestartOnlyAgentParticipant
-from ._agent.session import AgentPeers, AgentSession, AgentSessionState, AgentTaskInput
+from ._agent.session import (
+    AgentPeers,
+    AgentSession,
+    AgentSessionState,
+    AgentTaskInput,
+    ResourcesSessionId,
+)
 from ._environment.models import EnvironmentPeers, EpisodeOutcome, SeededSession
 from ._environment.participant import EnvironmentParticipant
 from ._environment.steps import EpisodeSteps
@@ -140,6 +146,7 @@ __all__ = [
     "ResourcesParticipant",
     "ResourcesSession",
     "ResourcesSessionHooks",
+    "ResourcesSessionId",
     "RestartOnlyAgentParticipant",
     "RestoredAgentSession",
     "RolloutTokenCapture",

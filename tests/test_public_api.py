@@ -72,7 +72,7 @@ PUBLIC = {
         "ModelProcessFanout", "ModelTicket", "Participant", "ParticipantCheckpoint",
         "Placement", "ProcessFanout", "Record", "RecordsWriter", "ResourcesAdmission",
         "ResourcesMode", "ResourcesParticipant", "ResourcesSession",
-        "ResourcesSessionHooks", "RestartOnlyAgentParticipant", "RestoredAgentSession",
+        "ResourcesSessionHooks", "ResourcesSessionId", "RestartOnlyAgentParticipant", "RestoredAgentSession",
         "RolloutTokenCapture", "SeededSession", "SqliteCaptureLedger",
         "StreamingUnsupportedError", "VerifyMode",
         "authorized", "build_report", "control_router", "error_response", "error_responses",

@@ -20,12 +20,13 @@ from typing import Annotated, Any, Final, Literal
 
 import httpx
 from fastapi import FastAPI, Header, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from participants import (
     AgentParticipant,
     AgentTaskInput,
     ControlPlane,
+    ResourcesSessionId,
     RestartOnlyAgentParticipant,
     error_responses,
     participant_app,
@@ -58,7 +59,7 @@ class SeedBody(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    resources_session_id: str = Field(min_length=1, max_length=256)
+    resources_session_id: ResourcesSessionId
     task_input: AgentTaskInput
 
 

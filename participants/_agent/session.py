@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Final, Literal, Protocol
+from typing import Annotated, Any, Final, Literal, Protocol
 
 import anyio
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, model_validator
@@ -19,6 +19,13 @@ from protocols import MAX_COMPLETION_TOKENS, EpisodeId
 
 TOOLS: Final = ("add", "mul", "note")
 """The counter tools, indexed by the first byte of the completion's sha256 (e2e-contract §3)."""
+COOKIE_VALUE_PATTERN: Final = r"^[\x21\x23-\x2b\x2d-\x3a\x3c-\x5b\x5d-\x7e]+$"
+"""RFC 6265's cookie octets: visible ASCII but for ``"``, ``,``, ``;`` and ``\\`` (D359)."""
+ResourcesSessionId = Annotated[
+    str, Field(min_length=1, max_length=256, pattern=COOKIE_VALUE_PATTERN)
+]
+"""A resources session id as the agent keeps it: it goes back to the resources server as the
+value of the ``ng_session`` cookie on every tool call, so it must be one a cookie can carry."""
 
 BoundaryKind = Literal["before_model_call", "after_tool_round", "between_activations"]
 SessionState = Literal["idle", "running", "at_boundary"]
@@ -61,7 +68,7 @@ class AgentSessionState(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     conversation: list[ChatMessage]
-    resources_session_id: str = Field(min_length=1, max_length=256)
+    resources_session_id: ResourcesSessionId
     task_input: AgentTaskInput
     completed_activation: int = Field(ge=0)
     turn_in_activation: int = Field(ge=0)

@@ -132,6 +132,25 @@ async def test_bad_seeds_are_refused_and_change_nothing(tmp_path: Path) -> None:
         assert malformed.status_code in (400, 404, 422)
 
 
+@pytest.mark.parametrize(
+    "session_id",
+    ['ng(\u2948$h"\x045', "s 1", "s;1", "s,1", 's"1', "s\\1", "s\t1", "\u00e9", "s\x7f"],
+)
+async def test_a_resources_session_id_no_cookie_can_carry_is_refused_at_the_seed(
+    tmp_path: Path, session_id: str
+) -> None:
+    # D359: the id goes back as the ng_session cookie on every tool call; one a cookie cannot
+    # carry failed there, as a 500 in the middle of an activation (the hostile-input soak).
+    peers = FakePeers()
+    async with agent(peers, tmp_path) as client:
+        body = {"resources_session_id": session_id, "task_input": TASK}
+        bad = await client.post(f"/ng-rollout/{KEY}/sessions/seed", json=body)
+        assert bad.status_code == 422 and code(bad) == "invalid_request"
+        assert participant_of(client).sessions == {}
+        uuid_like = {"resources_session_id": "9f0c-A_b.~!#$%&'*+/:<=>?@[]^`{|}", "task_input": TASK}
+        assert (await client.post(f"/ng-rollout/{KEY}/sessions/seed", json=uuid_like)).is_success
+
+
 async def test_a_running_tool_call_blocks_prepare_and_the_session_parks_after_it(
     tmp_path: Path,
 ) -> None:

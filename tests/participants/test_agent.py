@@ -94,6 +94,7 @@ async def test_install_checks_every_record_before_installing_any() -> None:
         {**_record("r2"), "session_key": "r9"},
         {**_record("r2"), "session": "nope"},
         _record(),  # the same session twice
+        _record("r2", resources_session_id="s;1"),  # no cookie can carry it (D359)
     ):
         with pytest.raises(InvalidCheckpointStateError):
             await agent.install([good, bad], [E0])

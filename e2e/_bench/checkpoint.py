@@ -168,20 +168,21 @@ async def measure_size(
     floors: list[float] = []
     files = size = 0
     async with cluster.running(), anyio.create_task_group() as group:
-        stage(f"{rollouts:,} rollouts · parking")
+        who = f"{rollouts:,} rollouts"
+        stage(f"{who} · parking")
         await park(cluster, rollouts, group, within_s=max(120.0, rollouts * 0.05))
         setup_s = time.perf_counter() - started
         episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
         staging = cluster.root / "staging"
         for repeat in range(repeats):
             of = f"{repeat + 1} of {repeats}"
-            stage(f"{rollouts:,} rollouts · checkpoint {of}: waiting for a new token on every call")
+            stage(f"{who} · checkpoint {of}: waiting for a new token on every call")
             # Untimed: each call generates past its last cut first, so every checkpoint of the
             # row cuts (and stages) every call, as checkpoints minutes apart would.
             await wait_for(
                 cluster.every_generation_grew, "a new token on every call", within_s=120.0
             )
-            stage(f"{rollouts:,} rollouts · checkpoint {of}")
+            stage(f"{who} · checkpoint {of}")
             staged_before = set(files_under(staging))
             with (profiler or nullcontext)():
                 sample = await take_checkpoint(cluster, f"bench-{rollouts}-{repeat}", episodes)
@@ -191,7 +192,7 @@ async def measure_size(
             written.update({str(path): path.read_bytes() for path in cut_files})
             files, size = len(written), sum(len(data) for data in written.values())
             sample["cut_files"] = len(cut_files)
-            stage(f"{rollouts:,} rollouts · floor {of}")
+            stage(f"{who} · floor {of}")
             floors.append(write_floor(written, root / "floor" / str(repeat)))
             samples.append(sample)
         group.cancel_scope.cancel()  # the parked rollouts end with the bench

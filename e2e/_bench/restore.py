@@ -61,10 +61,11 @@ async def _park_and_crash(
     started = time.perf_counter()
     first = InProcessCluster(run_root, parked)
     async with first.running(), anyio.create_task_group() as group:
-        stage(f"{len(episodes):,} rollouts · parking")
+        who = f"{len(episodes):,} rollouts"
+        stage(f"{who} · parking")
         await park(first, len(episodes), group, within_s=max(120.0, len(episodes) * 0.05))
         park_s = time.perf_counter() - started
-        stage(f"{len(episodes):,} rollouts · checkpoint before the crash")
+        stage(f"{who} · checkpoint before the crash")
         taken = await take_checkpoint(first, "before-crash", episodes)
         group.cancel_scope.cancel()  # the crash: every rollout of this incarnation is gone
     return park_s, taken
@@ -82,6 +83,7 @@ async def crash_restore_cycle(
     """Park, checkpoint, crash, restore (and optionally finish) ``rollouts`` rollouts."""
     run_root = root / "run"
     episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
+    who = f"{rollouts:,} rollouts"
     park_s, taken = await _park_and_crash(run_root, episodes, parked)
     # A crashed process leaves nothing in memory: collect the dropped cluster (untimed), so the
     # restore does not pay for traversing it (D267).
@@ -96,7 +98,7 @@ async def crash_restore_cycle(
     async with second.running():
         coordinator = second.coordinator
         assert coordinator is not None
-        stage(f"{rollouts:,} rollouts · restoring")
+        stage(f"{who} · restoring")
         with (profiler or nullcontext)():
             begun = time.perf_counter()
             replies = await coordinator.restore(
@@ -109,7 +111,7 @@ async def crash_restore_cycle(
             key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
         }
         if finish:
-            stage(f"{rollouts:,} rollouts · finishing every restored rollout")
+            stage(f"{who} · finishing every restored rollout")
             finish_started = time.perf_counter()
 
             async def run_one(episode: EpisodeId) -> None:
@@ -120,7 +122,7 @@ async def crash_restore_cycle(
                 for episode in continued:
                     group.start_soon(run_one, episode)
             finish_s = time.perf_counter() - finish_started
-    stage(f"{rollouts:,} rollouts · floor")
+    stage(f"{who} · floor")
     floor_s, files, size = read_and_write_floor(directory, root / "floor")
     wanted = {episode.next_attempt().capture_key for episode in episodes}
     row: dict[str, Any] = {

@@ -94,6 +94,7 @@ SHOWN = (
     "reward_mismatches",
     "repeated_model_calls",
     "redone_model_calls",
+    "restored_delivered",
     "held_delivered",
     "cut_continued",
     "extra_tokens_generated",

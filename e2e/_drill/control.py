@@ -31,6 +31,7 @@ from participants.testing import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
 from .._servers.cluster import Cluster
+from .store import delivered_rows
 
 LEDGER_PREFIX = "/training-token-capture/control"
 PARTICIPANT_ROLES = ("environment", "model", "agent", "resources")
@@ -147,6 +148,13 @@ class ControlSession:
             fault=self.publish_fault,
             on_boundary=self.kill_point.reach,
             traceparent=traceparent,
+        )
+
+    @staticmethod
+    async def delivered_calls(checkpoint_dir: Path | str) -> int:
+        """Calls a committed checkpoint's model shares record as delivered (read from the store)."""
+        return await anyio.to_thread.run_sync(
+            lambda: sum(1 for _ in delivered_rows(checkpoint_dir))
         )
 
     @staticmethod

@@ -56,7 +56,7 @@ class RolloutDispatcher:
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}
         self.last_cuts: list[str] = []
-        self.abandoned = 0  # commits abandoned for want of a cut (this incarnation, one phase)
+        self.abandoned = 0  # commits abandoned for want of a cut or a delivered call (one phase)
 
     async def log(self, event: dict[str, Any]) -> None:
         """Append one evidence line (fsynced) before acting on it."""

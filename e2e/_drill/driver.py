@@ -37,8 +37,8 @@ from .plan import ControllerState, DriverPlan, task_of
 from .probes import ResourcesProbe, send_probes
 
 CUT_RETRIES = 6
-"""Commits a phase may abandon so that the checkpoint its crash restores carries a cut (D155,
-D232); the last try is published whatever it carries."""
+"""Commits a phase may abandon so that the checkpoint its crash restores carries a cut and a
+delivered call (D155, D232, D360); the last try is published whatever it carries."""
 
 
 def remove_checkpoint(location: str) -> None:
@@ -55,26 +55,27 @@ class Driver(RolloutDispatcher):
     """One incarnation of the controller: dispatch (the base), checkpoints and recovery."""
 
     async def checkpoint(
-        self, index: int, *, block: float | None = None, need_cut: bool = False
+        self, index: int, *, block: float | None = None, for_crash: bool = False
     ) -> bool:
         """Take checkpoint ``index`` of this phase; False when it was not published.
 
         ``block`` forces the rarer outcome: the controller treats the prepare as blocked by the
         attempt of its scope that ``block`` (in [0, 1)) picks, and does what it does for a real
         straggler (control-plane §3.4.1: resume, retire it, dispatch its next attempt).
-        ``need_cut``: a commit that exported episodes but carries no generation cut is abandoned
-        before publication (resumed, its directory removed), so that the checkpoint a crash
-        restores has a cut to continue and the published count stays what the plan asked for
-        (D155, D232, D247).
+        ``for_crash``: the checkpoint a crash will restore. A commit that exported episodes but
+        carries no generation cut, or no delivered call, is abandoned before publication (resumed,
+        its directory removed), so that the restore has a cut to continue and a delivered call
+        that must not run again, and the published count stays what the plan asked for (D155,
+        D232, D247, D360).
         """
         checkpoint_id = f"ckpt-{self.plan.phase}-{index}"
         with checkpoint_trace(checkpoint_id) as traced:  # one checkpoint, one trace
-            published = await self._checkpoint(checkpoint_id, traced, block, need_cut)
+            published = await self._checkpoint(checkpoint_id, traced, block, for_crash)
             traced.record(published=published)
             return published
 
     async def _checkpoint(
-        self, checkpoint_id: str, traced: CheckpointTrace, block: float | None, need_cut: bool
+        self, checkpoint_id: str, traced: CheckpointTrace, block: float | None, for_crash: bool
     ) -> bool:
         directory = self.control.checkpoint_dir(self.checkpoints_at, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
@@ -109,7 +110,7 @@ class Driver(RolloutDispatcher):
         # The model server cuts the generations still running when its admission closes: with
         # none cut (on a loaded machine they can all finish while the environment parks), this
         # commit could carry no cut, so it is not made at all and another is taken.
-        if need_cut and episodes and not _cuts_taken(prepared):
+        if for_crash and episodes and not _cuts_taken(prepared):
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
             await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
             self.abandoned += 1
@@ -120,10 +121,18 @@ class Driver(RolloutDispatcher):
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
         # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
-        if need_cut and not self.last_cuts and commit.environment_episode_ids():
+        # Taken while every rollout waits on its first call, a commit has a cut but no delivered
+        # call, and its restore shows nothing about repeats (D360).
+        why = ""
+        if for_crash and commit.environment_episode_ids():
+            if not self.last_cuts:
+                why = "no cut"
+            elif not await self.control.delivered_calls(directory):
+                why = "no delivered call"
+        if why:
             await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
             await anyio.to_thread.run_sync(remove_checkpoint, directory)
-            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
+            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": why})
             self.abandoned += 1
             return False
         exported = set(commit.environment_episode_ids())
@@ -276,12 +285,13 @@ class Driver(RolloutDispatcher):
             while taken < self.plan.checkpoints:
                 if not await self.wait_for_model_calls_in_flight():
                     break
-                # The checkpoint a crash restores should carry a generation cut, or the run
-                # cannot show one continued; on a busy machine the calls may all finish before
-                # admission closes, so that commit is abandoned and taken again (bounded).
+                # The checkpoint a crash restores should carry a generation cut and a delivered
+                # call, or the run cannot show a cut continued and no call repeated; on a busy
+                # machine the calls may all finish before admission closes, or all still be on
+                # their first generation, so that commit is abandoned and taken again (bounded).
                 last = taken == self.plan.checkpoints - 1 and self.plan.crash_after
-                need_cut = last and self.abandoned < CUT_RETRIES
-                if await self.checkpoint(index, need_cut=need_cut):
+                for_crash = last and self.abandoned < CUT_RETRIES
+                if await self.checkpoint(index, for_crash=for_crash):
                     taken += 1
                 index += 1
                 await anyio.sleep(0.05)

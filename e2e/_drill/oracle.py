@@ -14,12 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from participants import read_participant_checkpoint
 from protocols import EpisodeId
 
 from .._servers.evidence import read_evidence
 from .continuations import ContinuedCall, continued_calls, cut_continuations, prefix_mismatches
-from .store import model_shares, published_checkpoints
+from .store import delivered_rows, published_checkpoints
 from .tokens_of import TokenSequenceError, token_sequence
 
 ERROR_FIGURES: Final = (
@@ -76,16 +75,10 @@ def _delivered_at(
 ) -> set[tuple[str, str]]:
     """(rollout, request digest) of every call the checkpoint's model records list as delivered."""
     delivered: set[tuple[str, str]] = set()
-    for location in model_shares(checkpoint_dir):
-        share = read_participant_checkpoint(
-            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
-        )
-        for record in share.records:
-            rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
-            for row in record.get("rows", []):
-                egress = egress_by_call.get(row.get("model_call_id", ""))
-                if egress is not None:
-                    delivered.add((rollout, egress["request_digest"]))
+    for rollout, row in delivered_rows(checkpoint_dir):
+        egress = egress_by_call.get(row.get("model_call_id", ""))
+        if egress is not None:
+            delivered.add((rollout, egress["request_digest"]))
     return delivered
 
 
@@ -155,6 +148,9 @@ class Figures:
         restarted = v.get("restarted_per_crash") or [0] * len(v["restored_per_crash"])
         if any(n + r == 0 for n, r in zip(v["restored_per_crash"], restarted, strict=False)):
             reasons.append("a crash restored nothing")
+        # Repeats are checked against the calls a restored checkpoint had delivered: none, no proof.
+        if v["restored"] and v["restored_delivered"] < 1:
+            reasons.append("no restored checkpoint recorded a delivered call")
         if v["held_delivered"] < 1:
             reasons.append("no response was held through a checkpoint")
         if v["crashes"] and min(v["stale_probes_per_crash"] or [0]) < 4:
@@ -219,6 +215,9 @@ class RepeatedCalls:
     """Repeats of a continued rollout: each one fails the drill."""
     by_rerun: int
     """Repeats made by a rerun from input the controller chose: reported, not a failure."""
+    delivered: int = 0
+    """Calls the restored checkpoints recorded as delivered (summed over the restores): what
+    could have been repeated. With none, a run shows nothing about repeats."""
 
 
 def repeated_model_calls(
@@ -268,7 +267,11 @@ def count_repeats(
                 by_rerun.add(found)  # descends from a rerun since that restore, not from it
             else:
                 repeated.add(found)
-    return RepeatedCalls(repeated=len(repeated), by_rerun=len(by_rerun - repeated))
+    return RepeatedCalls(
+        repeated=len(repeated),
+        by_rerun=len(by_rerun - repeated),
+        delivered=sum(len(calls) for calls in delivered),
+    )
 
 
 def calls_by_incarnation(
@@ -372,6 +375,7 @@ def compute_figures(
         "repeated_model_calls": repeated.repeated,
         "rerun_model_calls": repeated.by_rerun,
         "redone_model_calls": redone,
+        "restored_delivered": repeated.delivered,
         "held_delivered": sum(1 for e in egress if e.get("held")),
         "cut_continued": sum(1 for e in worker if e.get("tokens_continued", 0) > 0),
         "extra_tokens_generated": extra_tokens_generated(restores, worker),

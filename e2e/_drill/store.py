@@ -17,9 +17,10 @@ import secrets
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
-from protocols import is_object_store_url, open_store, split_s3_url
+from participants import read_participant_checkpoint
+from protocols import EpisodeId, is_object_store_url, open_store, split_s3_url
 
 from .._launch.object_store import LocalS3
 
@@ -91,6 +92,22 @@ def model_shares(checkpoint_dir: Path | str) -> list[str]:
         for instance in store.subdirectories("gym/model")
         if store.exists(f"gym/model/{instance}/manifest.json")
     ]
+
+
+def delivered_rows(checkpoint_dir: Path | str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(rollout, row) for each call a checkpoint's model shares record as delivered.
+
+    A model record's rows are its episode's delivered calls: the calls still undelivered at the
+    commit were left out of the export. Blocking: run it in a worker thread.
+    """
+    for location in model_shares(checkpoint_dir):
+        share = read_participant_checkpoint(
+            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
+        )
+        for record in share.records:
+            rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
+            for row in record.get("rows", []):
+                yield rollout, row
 
 
 def published_checkpoints(checkpoints_at: Path | str) -> list[str]:

@@ -113,6 +113,19 @@ def test_each_fault_turns_its_figure_non_zero_and_fails_the_drill(
     assert code == 1
 
 
+def test_a_rerun_from_input_is_caught_even_when_checkpoints_come_before_any_reply(
+    tmp_path: Path, baseline: list[str]
+) -> None:
+    # Slow generations: admission closes while every rollout still waits on its first call, so a
+    # checkpoint carries cuts and no delivered call, and a rerun from input of it repeats nothing
+    # (CI failed this way once, on a loaded machine). The crash's checkpoint is taken again until
+    # it records a delivered call (D360), so the fault still trips.
+    slow = ["--token-delay-ms", "40"]
+    code, figures = _drill(tmp_path, "--fault", "rerun-from-input", *NO_SHARE, *slow, *baseline)
+    assert figures["restored_delivered"] > 0, figures
+    assert figures["repeated_model_calls"] > 0 and code == 1, figures
+
+
 def test_a_kept_baseline_of_other_rollouts_is_refused_before_anything_runs(tmp_path: Path) -> None:
     kept = tmp_path / "baseline"
     kept.mkdir()

@@ -161,10 +161,17 @@ async def test_an_attempt_whose_result_is_being_accepted_is_not_retirable(tmp_pa
 class _CutControl(_Control):
     """Also commits a directory, carries cuts as told, and counts publications and resumes."""
 
-    def __init__(self, root: Path, cuts: list[list[str]], cut_at_prepare: int = 1) -> None:
+    def __init__(
+        self,
+        root: Path,
+        cuts: list[list[str]],
+        cut_at_prepare: int = 1,
+        delivered: list[int] | None = None,
+    ) -> None:
         super().__init__(root)
         self.cuts = cuts
         self.cut_at_prepare = cut_at_prepare  # the model server's "cut" count in its prepare reply
+        self.delivered = delivered  # delivered calls each commit records (one each by default)
         self.published: list[str] = []
         self.resumed: list[str] = []
 
@@ -183,6 +190,10 @@ class _CutControl(_Control):
         assert checkpoint_id
         return commit
 
+    async def delivered_calls(self, checkpoint_dir: Path) -> int:
+        assert (checkpoint_dir / "gym").is_dir()  # read after the commit, before publication
+        return self.delivered.pop(0) if self.delivered is not None else 1
+
     async def publish(self, *args: Any) -> None:
         self.published.append(args[1])
 
@@ -190,22 +201,28 @@ class _CutControl(_Control):
         self.resumed.append(args[0])
 
 
-async def test_a_commit_without_a_cut_is_abandoned_unpublished_when_the_crash_needs_one(
-    tmp_path: Path,
-) -> None:
+def _crash_phase_driver(tmp_path: Path, control: _CutControl) -> Driver:
+    """The controller of a phase that ends in a crash, with one checkpoint to take, on ``control``."""
     plan = DriverPlan(
         rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
     )
     driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
-    control = _CutControl(tmp_path, cuts=[[], ["r1"], []])
     driver.control = control  # type: ignore[assignment]
+    return driver
+
+
+async def test_a_commit_without_a_cut_is_abandoned_unpublished_when_the_crash_needs_one(
+    tmp_path: Path,
+) -> None:
+    control = _CutControl(tmp_path, cuts=[[], ["r1"], []])
+    driver = _crash_phase_driver(tmp_path, control)
     try:
         driver.in_flight = {"r1": 0}
-        assert not await driver.checkpoint(0, need_cut=True)  # no cut: not published
+        assert not await driver.checkpoint(0, for_crash=True)  # no cut: not published
         assert control.published == [] and control.resumed == ["ckpt-0-0"]
         assert not (tmp_path / "checkpoints" / "ckpt-0-0").exists()
         assert driver.abandoned == 1
-        assert await driver.checkpoint(1, need_cut=True)  # a cut: published
+        assert await driver.checkpoint(1, for_crash=True)  # a cut: published
         assert control.published == ["ckpt-0-1"]
         assert await driver.checkpoint(2)  # no cut needed: published as it is
         assert control.published == ["ckpt-0-1", "ckpt-0-2"] and driver.abandoned == 1
@@ -220,15 +237,11 @@ async def test_a_commit_that_exported_nothing_is_published_even_without_a_cut(
 ) -> None:
     # Every rollout a restart (restart-only resources): nothing can carry a cut, so waiting for one
     # would abandon every commit and leave the crash with nothing to restore (D247).
-    plan = DriverPlan(
-        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
-    )
-    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
     control = _CutControl(tmp_path, cuts=[[]])
-    driver.control = control  # type: ignore[assignment]
+    driver = _crash_phase_driver(tmp_path, control)
     try:
         driver.in_flight = {}
-        assert await driver.checkpoint(0, need_cut=True)
+        assert await driver.checkpoint(0, for_crash=True)
         assert control.published == ["ckpt-0-0"] and driver.abandoned == 0
     finally:
         await driver.http.aclose()
@@ -239,19 +252,38 @@ async def test_a_commit_that_needs_a_cut_is_not_made_when_prepare_cut_nothing(
 ) -> None:
     # On a loaded machine the generations can all finish before the model server closes its
     # admission: its prepare cuts none, and a commit then would only be written to be abandoned.
-    plan = DriverPlan(
-        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=True, commit_delay_s=0
-    )
-    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
     control = _CutControl(tmp_path, cuts=[[], ["r1"]], cut_at_prepare=0)
-    driver.control = control  # type: ignore[assignment]
+    driver = _crash_phase_driver(tmp_path, control)
     try:
         driver.in_flight = {"r1": 0}
-        assert not await driver.checkpoint(0, need_cut=True)
+        assert not await driver.checkpoint(0, for_crash=True)
         assert control.scopes == [] and control.resumed == ["ckpt-0-0"] and driver.abandoned == 1
         assert await driver.checkpoint(1)  # no cut needed: committed and published regardless
         control.cut_at_prepare = 1  # a generation cut at prepare: committed, with its cut
-        assert await driver.checkpoint(2, need_cut=True)
+        assert await driver.checkpoint(2, for_crash=True)
         assert control.scopes == [["r1"], ["r1"]] and control.published == ["ckpt-0-1", "ckpt-0-2"]
+    finally:
+        await driver.http.aclose()
+
+
+async def test_a_commit_with_a_cut_but_no_delivered_call_is_abandoned_when_a_crash_restores_it(
+    tmp_path: Path,
+) -> None:
+    # Taken while every rollout waits on its first call, a commit carries cuts and no delivered
+    # call: a restore of it cannot show that no delivered call ran again (the rerun-from-input
+    # fault then trips nothing), so the crash's checkpoint is taken again (D360).
+    control = _CutControl(tmp_path, cuts=[["r1"], ["r1"], ["r1"]], delivered=[0, 2])
+    driver = _crash_phase_driver(tmp_path, control)
+    try:
+        driver.in_flight = {"r1": 0}
+        assert not await driver.checkpoint(0, for_crash=True)
+        assert control.published == [] and control.resumed == ["ckpt-0-0"]
+        assert not (tmp_path / "checkpoints" / "ckpt-0-0").exists()
+        assert await driver.checkpoint(1)  # not the crash's: published as it is
+        assert await driver.checkpoint(2, for_crash=True)
+        assert control.published == ["ckpt-0-1", "ckpt-0-2"] and driver.abandoned == 1
+        events = [json.loads(line) for line in driver.evidence.path.read_text().splitlines()]
+        abandoned = [(e["id"], e["why"]) for e in events if e["event"] == "checkpoint_abandoned"]
+        assert abandoned == [("ckpt-0-0", "no delivered call")]
     finally:
         await driver.http.aclose()

@@ -1,4 +1,5 @@
-"""The drill's verdict on Ray hosting: a process left running, or a crash that killed nothing."""
+"""The drill's verdict from its figures: on Ray hosting (a process left running, a crash that
+killed nothing), and a run too idle to prove that no delivered call was repeated."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ def green_on_ray(**changes: Any) -> Figures:
         "held_delivered": 2,
         "stale_probes_per_crash": [12, 12],
         "restored": 6,
+        "restored_delivered": 5,
         "cut_continued": 4,
         "on": "ray",
         "ray_processes_killed": [7, 7],
@@ -43,3 +45,13 @@ def test_a_local_run_needs_no_ray_figures() -> None:
     figures = green_on_ray(on="local")
     del figures.values["ray_processes_killed"]
     assert figures.failed_checks() == []
+
+
+def test_a_run_whose_restored_checkpoints_recorded_no_delivered_call_proves_nothing() -> None:
+    reasons = green_on_ray(restored_delivered=0).failed_checks()
+    assert reasons == ["no restored checkpoint recorded a delivered call"]
+    # Restart-only rollouts restore nothing, so there is nothing a repeat could be checked against.
+    restarts = green_on_ray(
+        restored_delivered=0, restored=0, restored_per_crash=[0, 0], restarted_per_crash=[2, 2]
+    )
+    assert restarts.failed_checks() == []

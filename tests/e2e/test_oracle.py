@@ -116,7 +116,11 @@ def test_a_call_a_restored_checkpoint_delivered_repeats_unless_a_rerun_came_in_b
     ]
     policy = [_call("r1-a2", "c", 13.5), _call("r1-a3", "c", 17)]
     delivered = [{("r1", "c")}, set()]
-    assert count_repeats(rerun, policy, delivered) == RepeatedCalls(repeated=0, by_rerun=2)
+    assert count_repeats(rerun, policy, delivered) == RepeatedCalls(
+        repeated=0, by_rerun=2, delivered=1
+    )
     continued = [e for e in rerun if e.get("event") != "retire" and e.get("attempt") != 2]
     policy = [_call("r1-a3", "c", 17)]
-    assert count_repeats(continued, policy, delivered) == RepeatedCalls(repeated=1, by_rerun=0)
+    assert count_repeats(continued, policy, delivered) == RepeatedCalls(
+        repeated=1, by_rerun=0, delivered=1
+    )

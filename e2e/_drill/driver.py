@@ -111,31 +111,21 @@ class Driver(RolloutDispatcher):
         # none cut (on a loaded machine they can all finish while the environment parks), this
         # commit could carry no cut, so it is not made at all and another is taken.
         if for_crash and episodes and not _cuts_taken(prepared):
-            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
-            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": "no cut"})
-            self.abandoned += 1
-            return False
+            return await self._abandon(checkpoint_id, "no cut")
         # A controller saves its own state between prepare and commit; meanwhile the generations
         # in flight finish and their responses are held, so the commit must leave their rows out.
         await anyio.sleep(self.plan.commit_delay_s)
         commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
+        exported = set(commit.environment_episode_ids())
         # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
         # Taken while every rollout waits on its first call, a commit has a cut but no delivered
         # call, and its restore shows nothing about repeats (D360).
-        why = ""
-        if for_crash and commit.environment_episode_ids():
+        if for_crash and exported:
             if not self.last_cuts:
-                why = "no cut"
-            elif not await self.control.delivered_calls(directory):
-                why = "no delivered call"
-        if why:
-            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
-            await anyio.to_thread.run_sync(remove_checkpoint, directory)
-            await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": why})
-            self.abandoned += 1
-            return False
-        exported = set(commit.environment_episode_ids())
+                return await self._abandon(checkpoint_id, "no cut", directory)
+            if not await self.control.delivered_calls(directory):
+                return await self._abandon(checkpoint_id, "no delivered call", directory)
         for rollout, attempt in scope.items():  # replies already on the wire finish first
             key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
             if key not in exported and key not in restarts and rollout in self.done_events:
@@ -168,6 +158,15 @@ class Driver(RolloutDispatcher):
         await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
         self.say(f"checkpointed {checkpoint_id}")
         return True
+
+    async def _abandon(self, checkpoint_id: str, why: str, committed: str | None = None) -> bool:
+        """Resume without publishing (removing what was ``committed``, if anything); False."""
+        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        if committed is not None:
+            await anyio.to_thread.run_sync(remove_checkpoint, committed)
+        await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": why})
+        self.abandoned += 1
+        return False
 
     # ------------------------------------------------------------------ recovery
     async def recover(self) -> list[tuple[str, int]]:

@@ -26,6 +26,7 @@ from protocols import (
     CommitReply,
     EpisodeId,
     ForgetReply,
+    InvalidRequestError,
     InvalidRolloutIdError,
     ParticipantKind,
     Phase,
@@ -35,6 +36,7 @@ from protocols import (
     ResumeReply,
     RetireReply,
     coordinate_span,
+    refuse_unrestorable,
     stage_span,
     validate_rollout_ids,
 )
@@ -264,9 +266,15 @@ class Coordinator:
         the controller then reruns those rollouts from input as later attempts.
 
         Raises:
+            InvalidRequestError: The scope names an attempt with no next attempt (D361);
+                nothing was sent.
             CoordinationError: The restore failed somewhere; its ``failures`` also name any
                 participant whose cleanup failed (``<name> (cleanup retire|resume)``).
         """
+        try:
+            refuse_unrestorable(episode_ids)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc)) from None
         with coordinator_span(
             COLLECTION_RESTORE_SPAN,
             new_trace=True,

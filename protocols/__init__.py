@@ -73,6 +73,7 @@ from ._hashes import compute_chain_hash, hash_token_ids
 from ._ids import (
     EpisodeId,
     capture_key,
+    refuse_unrestorable,
     sorted_capture_keys,
     validate_checkpoint_id,
     validate_rollout_ids,
@@ -327,6 +328,7 @@ __all__ = [
     "open_store",
     "operation_span",
     "participant_directory",
+    "refuse_unrestorable",
     "render_prompt",
     "resolve_explicit_rows",
     "resolve_rows",

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from ._ids import CheckpointId, EpisodeId, RolloutId
+from ._ids import CheckpointId, EpisodeId, RolloutId, refuse_unrestorable
 from ._phases import ParticipantKind, Phase
 from ._records import ParticipantManifest
 
@@ -64,11 +64,17 @@ class CommitRequest(CheckpointRequest):
     stop: bool = False
 
 
+def _restorable(episode_ids: list[EpisodeId]) -> list[EpisodeId]:
+    refuse_unrestorable(episode_ids)
+    return episode_ids
+
+
 class RestoreRequest(CheckpointRequest):
-    """Body of ``restore``. The scope may be empty."""
+    """Body of ``restore``. The scope may be empty, and may not name attempt 9,999: a restore
+    installs the next attempt of each episode, and 9,999 is the last (D361)."""
 
     checkpoint_dir: str = Field(min_length=1)
-    episode_ids: list[EpisodeId]
+    episode_ids: Annotated[list[EpisodeId], AfterValidator(_restorable)]
 
 
 class RetireRequest(CheckpointRequest):

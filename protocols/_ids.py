@@ -170,6 +170,23 @@ class EpisodeId(BaseModel):
         return self.capture_key
 
 
+def refuse_unrestorable(episode_ids: Iterable[EpisodeId]) -> None:
+    """Refuse a restore scope that names an attempt with no next attempt (D361).
+
+    A restore installs attempt N + 1 of every episode it names; attempt ``MAX_ATTEMPT`` has none.
+
+    Raises:
+        ValueError: Naming the first such episode.
+    """
+    for episode in episode_ids:
+        if episode.attempt >= MAX_ATTEMPT:
+            raise ValueError(
+                f"{episode.capture_key} is attempt {MAX_ATTEMPT}, the last an attempt may be: a "
+                "restore has no next attempt to install it under; rerun the rollout from its "
+                "input under a new rollout id"
+            )
+
+
 def capture_key(rollout_id: str, attempt: int = 0) -> str:
     """The capture key of ``(rollout_id, attempt)``, validating both."""
     return EpisodeId(rollout_id=rollout_id, attempt=attempt).capture_key

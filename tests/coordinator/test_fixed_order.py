@@ -11,9 +11,11 @@ from coordinator import CoordinationError, checkpoint_directory
 from protocols import (
     CheckpointError,
     EpisodeId,
+    InvalidRequestError,
     Phase,
     StaleCheckpointError,
 )
+from protocols._ids import MAX_ATTEMPT
 
 from .deployment import deployment, flip_ready_later
 
@@ -152,6 +154,17 @@ async def test_restore_all_or_nothing_retires_next_attempts_and_resumes(tmp_path
         # (the agent reopened on its own when its install failed; the others wait for resume)
         first_open = min(i for i, e in enumerate(d.log) if e[1] == "open" and e[0] != "agent")
         assert last_install < first_retire < last_retire < first_open
+
+
+async def test_a_restore_of_the_last_attempt_is_refused_before_anything_is_sent(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The checkpoint continued attempt 9,999; its restore would install attempt 10,000 (D361).
+    last = EpisodeId(rollout_id="r9", attempt=MAX_ATTEMPT)
+    directory = await _checkpoint(tmp_path, [R1, last])
+    async with deployment() as d:
+        with pytest.raises(InvalidRequestError, match="r9-a9999 is attempt 9999"):
+            await d.coordinator.restore("r-1", soon(), directory, [R1, last])
+        assert d.log == []  # no restore, no cleanup retire, no resume
+        assert all(plane.phase is Phase.IDLE for plane in d.planes.values())
 
 
 def next_attempts_retired(plane) -> list[EpisodeId]:  # type: ignore[no-untyped-def]

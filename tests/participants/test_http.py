@@ -13,9 +13,10 @@ import pytest
 
 from participants import ControlPlane, ManualClock, participant_app
 from protocols import CONTROL_PREFIX
+from protocols._ids import MAX_ATTEMPT
 
 from .fakes import FakeParticipant
-from .runtime_support import NOW
+from .runtime_support import NOW, commit_req, ep, harness, req
 
 pytestmark = pytest.mark.anyio
 TOKEN = "s3cret-token"
@@ -190,6 +191,30 @@ async def test_corrupt_records_give_422_over_http(client: Client, tmp_path: Path
     )
     assert _error(response) == (422, "invalid_checkpoint_state")
     assert client.fake.installed == [] and client.fake.admission_open
+
+
+async def test_a_restore_of_the_last_attempt_is_a_422_and_installs_nothing(
+    client: Client, tmp_path: Path
+) -> None:
+    # A checkpoint that continued attempt 9,999: restoring it would need attempt 10,000 (D361).
+    async with harness(tmp_path) as h:
+        h.fake.start(ep("a", MAX_ATTEMPT))
+        await h.plane.prepare(req("c1"))
+        await h.plane.commit(commit_req(h.directory(), [ep("a", MAX_ATTEMPT)]))
+        directory = h.directory()
+    response = await client.call(
+        "restore",
+        {
+            "checkpoint_id": "r1",
+            "deadline_ts": NOW + 60,
+            "checkpoint_dir": directory,
+            "episode_ids": [{"rollout_id": "a", "attempt": MAX_ATTEMPT}],
+        },
+    )
+    assert _error(response) == (422, "invalid_request")
+    assert "a-a9999 is attempt 9999" in response.json()["error"]["detail"]
+    assert client.fake.installed == [] and client.fake.admission_open
+    assert client.plane.phase.value == "idle"
 
 
 async def test_an_unexpected_participant_error_is_an_enveloped_500(client: Client) -> None:

@@ -146,6 +146,19 @@ def test_request_specific_refusals(model: type[BaseModel], body: dict[str, Any])
         model.model_validate_json(json.dumps({"checkpoint_id": "c", "deadline_ts": 1.0} | body))
 
 
+def test_a_restore_scope_may_not_name_the_last_attempt_but_retire_may() -> None:
+    # A restore installs attempt N + 1; attempt 9,999 has none, so its scope is refused (D361).
+    def body(attempt: int) -> dict[str, Any]:
+        episodes = [{"rollout_id": "q"}, {"rollout_id": "r", "attempt": attempt}]
+        return {"checkpoint_id": "c", "deadline_ts": 1.0, "episode_ids": episodes}
+
+    restore = RestoreRequest.model_validate(body(9998) | {"checkpoint_dir": "/d"})
+    assert restore.episode_ids[1].attempt == 9998
+    with pytest.raises(ValidationError, match="r-a9999 is attempt 9999"):
+        RestoreRequest.model_validate(body(9999) | {"checkpoint_dir": "/d"})
+    assert RetireRequest.model_validate(body(9999)).episode_ids[1].attempt == 9999
+
+
 def test_commit_defaults() -> None:
     request = CommitRequest.model_validate_json(
         '{"checkpoint_id": "c", "deadline_ts": 1, "checkpoint_dir": "/d"}'

@@ -34,9 +34,15 @@ def checkpoint_path(checkpoint_dir: str, root: Path | str | None = None) -> Shar
 
     Raises:
         InvalidRequestError: The path is relative (it would depend on the server's cwd), it
-            leaves the checkpoint root, or it is of the other kind (a URL under a directory
-            root, a path under an ``s3://`` root, a URL with no root at all).
+            leaves the checkpoint root, it is of the other kind (a URL under a directory
+            root, a path under an ``s3://`` root, a URL with no root at all), or it holds a NUL
+            character, which no path or object key may (D362).
     """
+    if "\x00" in checkpoint_dir:
+        raise InvalidRequestError(
+            f"checkpoint_dir {checkpoint_dir[:300]!r} holds a NUL character, which no path or "
+            "object key may; nothing was read or written"
+        )
     if is_object_store_url(checkpoint_dir) or (root is not None and is_object_store_url(root)):
         return _object_store_location(checkpoint_dir, root)
     path = Path(checkpoint_dir)

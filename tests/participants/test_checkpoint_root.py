@@ -52,6 +52,27 @@ async def test_a_commit_outside_the_checkpoint_root_is_refused_and_writes_nothin
         assert reply.phase is Phase.COMMITTED
 
 
+@pytest.mark.parametrize("rooted", [True, False])
+async def test_a_checkpoint_dir_with_a_nul_is_refused_whether_or_not_there_is_a_root(
+    tmp_path: Path, rooted: bool
+) -> None:
+    # The file system refuses such a name with ValueError, which was a 500 (D362).
+    root = tmp_path / "root"
+    root.mkdir()
+    async with harness(tmp_path, checkpoint_root=root if rooted else None) as h:
+        await _prepared(h)
+        nul = f"{root}/c\x001"
+        with pytest.raises(InvalidRequestError, match="NUL character"):
+            await h.plane.commit(commit_req(nul, [ep("a")]))
+        assert h.plane.phase is Phase.PREPARED and h.fake.export_calls == 0
+        await h.plane.resume(req())
+    async with harness(tmp_path, checkpoint_root=root if rooted else None) as h:
+        with pytest.raises(InvalidRequestError, match="NUL character"):
+            await h.plane.restore(restore_req(nul, [ep("a")]))
+        assert h.plane.phase is Phase.IDLE and h.fake.installed == []
+    assert _tree(root) == []
+
+
 async def test_a_symlink_below_the_checkpoint_directory_cannot_lead_out(tmp_path: Path) -> None:
     root, outside = tmp_path / "root", tmp_path / "outside"
     (root / "ck" / "gym" / "environment").mkdir(parents=True)

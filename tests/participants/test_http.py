@@ -217,6 +217,20 @@ async def test_a_restore_of_the_last_attempt_is_a_422_and_installs_nothing(
     assert client.plane.phase.value == "idle"
 
 
+@pytest.mark.parametrize("route", ["commit", "restore"])
+async def test_a_checkpoint_dir_with_a_nul_is_a_422(
+    client: Client, tmp_path: Path, route: str
+) -> None:
+    if route == "commit":
+        client.fake.start(__import__("protocols").EpisodeId(rollout_id="a"))
+        await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})
+    body = VALID_BODY[route] | {"checkpoint_dir": f"{tmp_path}/c\u00001"}
+    response = await client.call(route, body)
+    assert _error(response) == (422, "invalid_request")
+    assert "NUL character" in response.json()["error"]["detail"]
+    assert list(tmp_path.iterdir()) == []
+
+
 async def test_an_unexpected_participant_error_is_an_enveloped_500(client: Client) -> None:
     client.fake.fail_close = RuntimeError("boom")
     response = await client.call("prepare", {"checkpoint_id": "c1", "deadline_ts": NOW + 60})

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -18,7 +18,7 @@ from protocols import is_object_store_url, open_store
 from .._launch.serving import run_server
 from .._servers.agent import create_agent_app
 from .._servers.cluster import DEFAULT_NAMES, DEFAULT_PORTS
-from .._servers.context import active_fault, serve_options_from
+from .._servers.context import ServeContext, active_fault, serve_options_from
 from .._servers.environment import DEFAULT_EPISODE_SECONDS, PeerTimeouts, create_environment_app
 from .._servers.model import create_model_app
 from .._servers.resources import create_resources_app
@@ -27,6 +27,14 @@ from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names
 from .output import usage_error
 
 DETERMINISTIC_TOKEN_DELAY_MS = 2.0
+
+
+def _serve_options(**shared: Any) -> ServeContext:
+    """``serve_options_from``; a cluster file it cannot use is a usage error (D363)."""
+    try:
+        return serve_options_from(**shared)
+    except ValueError as exc:
+        usage_error(str(exc))
 
 
 class ServeOptions:
@@ -180,7 +188,7 @@ def _register_worker(serve_app: typer.Typer) -> None:
         ] = 64,
     ) -> None:
         """The inference worker (default port 8701), on the deterministic engine by default."""
-        options = serve_options_from(
+        options = _serve_options(
             name=name, port=port, cluster=cluster, root=root, trace_dir=trace_dir
         )
         if token_delay_ms is None:
@@ -237,7 +245,7 @@ def _register_model(serve_app: typer.Typer) -> None:
         ] = LedgerLayoutChoice.sqlite,
     ) -> None:
         """The policy server: chat completions captured into <root>/ledger (default port 8702)."""
-        options = serve_options_from(
+        options = _serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -289,7 +297,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """The counter resources server (default port 8703)."""
-        options = serve_options_from(
+        options = _serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -331,7 +339,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """The agent server (default port 8704): sessions driven by the environment."""
-        options = serve_options_from(
+        options = _serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -379,7 +387,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
         ] = _DEFAULT_TIMEOUTS.verify_s,
     ) -> None:
         """The environment server (default port 8705): episodes via the agent and resources."""
-        options = serve_options_from(
+        options = _serve_options(
             name=name,
             port=port,
             cluster=cluster,

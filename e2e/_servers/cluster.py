@@ -117,13 +117,36 @@ def read_cluster(path: Path) -> Cluster:
     store = data.get("checkpoint_store")
     if store is not None:
         _check_store(path, store)
-    servers = []
-    for entry in data.get("server", []):
-        options = {k: v for k, v in entry.items() if k not in ("name", "role", "url")}
-        if entry.get("role") not in ROLES:
-            raise ValueError(f"{path}: unknown role {entry.get('role')!r}")
-        servers.append(ServerEntry(str(entry["name"]), entry["role"], str(entry["url"]), options))
+    entries = data.get("server", [])
+    if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+        raise ValueError(f"{path}: server must be tables, each under its own [[server]] header")
+    servers = [_server_entry(path, number, entry) for number, entry in enumerate(entries, 1)]
+    names = [server.name for server in servers]
+    for name in names:
+        if names.count(name) > 1:
+            raise ValueError(f"{path}: two [[server]] tables are named {name!r}")
     return Cluster(root=Path(root), servers=tuple(servers), checkpoint_store=store)
+
+
+def _server_entry(path: Path, number: int, entry: dict[str, Any]) -> ServerEntry:
+    """One ``[[server]]`` table, checked (D363).
+
+    Raises:
+        ValueError: ``name``, ``role`` or ``url`` is missing or not a non-empty string, the role
+            is unknown, or the URL is not ``http://`` or ``https://``.
+    """
+    where = f"{path}: [[server]] number {number}"
+    for key in ("name", "role", "url"):
+        value = entry.get(key)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f'{where} needs {key} = "...", a non-empty string')
+    role, url = entry["role"], entry["url"]
+    if role not in ROLES:
+        raise ValueError(f"{path}: unknown role {role!r} (the roles: {', '.join(ROLES)})")
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: url must start with http:// or https://, got {url!r}")
+    options = {k: v for k, v in entry.items() if k not in ("name", "role", "url")}
+    return ServerEntry(entry["name"], role, url, options)
 
 
 def _check_store(path: Path, store: Any) -> None:

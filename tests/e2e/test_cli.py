@@ -231,3 +231,34 @@ def test_serve_model_on_a_ledger_of_the_other_layout_is_a_one_line_usage_error(
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert f"open it with the {written} layout" in lines[0]
+
+
+_SERVER = '[[server]]\nname = "p"\nrole = "model"\nurl = "http://127.0.0.1:1"\n'
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ('[[server]]\nrole = "model"\nurl = "http://127.0.0.1:1"\n', 'needs name = "..."'),
+        ('[[server]]\nname = "p"\nrole = "model"\n', 'needs url = "..."'),
+        ('[[server]]\nname = "p"\nrole = "model"\nurl = 7\n', 'needs url = "..."'),
+        ('[[server]]\nname = ""\nrole = "model"\nurl = "http://127.0.0.1:1"\n', "needs name"),
+        ("server = 5\n", "each under its own [[server]] header"),
+        ("server = [1]\n", "each under its own [[server]] header"),
+        (_SERVER.replace('"model"', '"policy"'), "unknown role 'policy'"),
+        (_SERVER.replace("http://", ""), "url must start with http:// or https://"),
+        (_SERVER + _SERVER.replace('"model"', '"agent"'), "two [[server]] tables are named 'p'"),
+    ],
+)
+@pytest.mark.parametrize("command", [["status"], ["serve", "model", "--port", "0"]])
+def test_a_malformed_cluster_file_is_a_one_line_usage_error(
+    tmp_path: Path, text: str, says: str, command: list[str]
+) -> None:
+    # A missing key was a KeyError traceback, and serve gave one for every malformed file (D363).
+    path = tmp_path / "cluster.toml"
+    path.write_text(f'root = "{tmp_path}"\n{text}')
+    env = {"COLUMNS": "200", "MIDFLIGHT_CONTROL_TOKEN": "t"}
+    result = runner.invoke(build_app(), [*command, "--cluster", str(path)], env=env)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert says in lines[0] and str(path) in lines[0]

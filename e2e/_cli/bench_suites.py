@@ -115,12 +115,20 @@ def emit_bench(payload: dict[str, Any], *, as_json: bool, render: Callable[[], N
     emit(payload, as_json=as_json, render=render_with_load)
 
 
-def _sizes(text: str | None, default: Sequence[int], soak: bool) -> list[int]:
-    sizes = [int(part) for part in text.split(",")] if text else list(default)
+def _sizes(
+    text: str | None, default: Sequence[int], soak: bool, option: str = "--sizes"
+) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")] if text else list(default)
+    except ValueError:
+        raise typer.BadParameter(
+            f"a comma-separated list of whole numbers, such as 1000,4000; got {text!r}",
+            param_hint=option,
+        ) from None
     if soak and SOAK_SIZE not in sizes:
         sizes.append(SOAK_SIZE)
     if any(size < 1 for size in sizes):
-        raise typer.BadParameter("every size must be at least 1", param_hint="--sizes")
+        raise typer.BadParameter("every size must be at least 1", param_hint=option)
     return sizes
 
 
@@ -298,7 +306,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """The most rollouts in flight carried through checkpoint, crash and restore, none lost."""
-        chosen = _sizes(ladder, LADDER, False)
+        chosen = _sizes(ladder, LADDER, False, "--ladder")
         payload = _run(
             "scale",
             lambda scratch, _profiler: run_scale_bench(scratch, ladder=chosen, budget_s=budget),

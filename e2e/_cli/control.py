@@ -33,7 +33,7 @@ from coordinator import (
     read_checkpoint,
     read_latest,
 )
-from protocols import EpisodeId, WireError
+from protocols import EpisodeId, WireError, validate_rollout_ids
 
 from .._servers.cluster import Cluster, read_cluster
 from .._servers.context import CONTROL_TOKEN_ENV
@@ -380,6 +380,10 @@ def _simple(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Remove the retire marks of finished rollouts everywhere."""
+        try:
+            validate_rollout_ids(rollout_ids)  # before any server is asked
+        except (WireError, TypeError) as exc:
+            usage_error(str(exc))
         servers, token = _load(cluster), _token()
         operation = checkpoint_id or f"forget-{int(time.time() * 1000)}"
 

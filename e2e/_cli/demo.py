@@ -32,7 +32,7 @@ from protocols import (
 )
 
 from .._launch.spawn import ServerProcess
-from .output import JsonOption, console, emit
+from .output import JsonOption, console, emit, usage_error
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "minimal_participant.py"
 
@@ -194,8 +194,11 @@ def register(app: typer.Typer) -> None:
         """Write, verify and corrupt one participant's share of a checkpoint."""
         with tempfile.TemporaryDirectory(prefix="midflight-demo-") as scratch:
             root = directory or Path(scratch)
-            result = run_demo(root / "storage", records=records)
-            result["participant"] = run_participant_demo(root / "participant")
+            try:
+                result = run_demo(root / "storage", records=records)
+                result["participant"] = run_participant_demo(root / "participant")
+            except (OSError, WireError) as exc:  # --dir names a file, or one we may not write
+                usage_error(f"--dir {root}: {exc}")
         live = result["participant"]
 
         def render() -> None:

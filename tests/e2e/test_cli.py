@@ -262,3 +262,29 @@ def test_a_malformed_cluster_file_is_a_one_line_usage_error(
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert says in lines[0] and str(path) in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["bench", "checkpoint", "--sizes", "abc"], "got 'abc'"),
+        (["bench", "restore", "--sizes", "1,,2"], "got '1,,2'"),
+        (["bench", "scale", "--ladder", "x"], "Invalid value for --ladder"),
+        (["demo", "--dir", "{file}"], "Not a directory"),
+        (["forget", "--cluster", "{cluster}", "bad id"], "invalid rollout id 'bad id'"),
+        (["forget", "--cluster", "{cluster}", "r-a1"], "reserved for capture keys"),
+    ],
+)
+def test_bad_values_are_one_line_usage_errors_before_any_work(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    # Each was a traceback, or (forget) a connection attempt to every server first.
+    (tmp_path / "file").write_text("")
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(f'root = "{tmp_path}"\n{_SERVER}')
+    args = [a.format(file=tmp_path / "file", cluster=cluster) for a in args]
+    env = {"COLUMNS": "200", "MIDFLIGHT_CONTROL_TOKEN": "t"}
+    result = runner.invoke(build_app(), args, env=env)
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and says in lines[0]

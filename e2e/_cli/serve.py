@@ -30,11 +30,22 @@ DETERMINISTIC_TOKEN_DELAY_MS = 2.0
 
 
 def _serve_options(**shared: Any) -> ServeContext:
-    """``serve_options_from``; a cluster file it cannot use is a usage error (D363)."""
+    """``serve_options_from``, with a run root that exists as a directory.
+
+    A cluster file it cannot use (D363), or a run root that is a file or cannot be made, is a
+    usage error rather than a traceback from whichever server first writes under it.
+    """
     try:
-        return serve_options_from(**shared)
+        options = serve_options_from(**shared)
     except ValueError as exc:
         usage_error(str(exc))
+    if options.root.exists() and not options.root.is_dir():
+        usage_error(f"run root {options.root} is not a directory")
+    try:
+        options.root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        usage_error(f"run root {options.root}: {exc.strerror or exc}")
+    return options
 
 
 class ServeOptions:

@@ -288,3 +288,20 @@ def test_bad_values_are_one_line_usage_errors_before_any_work(
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error: ") and says in lines[0]
+
+
+@pytest.mark.parametrize("role", ["worker", "model", "resources", "agent", "environment"])
+@pytest.mark.parametrize(
+    ("under", "says"), [("", "is not a directory"), ("sub", "Not a directory")]
+)
+def test_serve_on_a_run_root_that_cannot_be_a_directory_is_a_usage_error(
+    tmp_path: Path, role: str, under: str, says: str
+) -> None:
+    # The model server's ledger directory was a NotADirectoryError traceback (D364).
+    root = tmp_path / "file"
+    root.write_text("")
+    args = ["serve", role, "--root", str(root / under), "--port", "0"]
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "200"})
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: run root ") and says in lines[0]

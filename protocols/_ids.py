@@ -179,7 +179,8 @@ def refuse_unrestorable(episode_ids: Iterable[EpisodeId]) -> None:
         ValueError: Naming the first such episode.
     """
     for episode in episode_ids:
-        if episode.attempt >= MAX_ATTEMPT:
+        # Anything but an episode is left to the model's own validation.
+        if isinstance(episode, EpisodeId) and episode.attempt >= MAX_ATTEMPT:
             raise ValueError(
                 f"{episode.capture_key} is attempt {MAX_ATTEMPT}, the last an attempt may be: a "
                 "restore has no next attempt to install it under; rerun the rollout from its "

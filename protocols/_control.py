@@ -70,8 +70,8 @@ def _restorable(episode_ids: list[EpisodeId]) -> list[EpisodeId]:
 
 
 class RestoreRequest(CheckpointRequest):
-    """Body of ``restore``. The scope may be empty, and may not name attempt 9,999: a restore
-    installs the next attempt of each episode, and 9,999 is the last (D361)."""
+    """Body of ``restore``. The scope may be empty. It may not name attempt 9,999, the last,
+    which has no next attempt to install (D361), nor two attempts of one rollout (D365)."""
 
     checkpoint_dir: str = Field(min_length=1)
     episode_ids: Annotated[list[EpisodeId], AfterValidator(_restorable)]

@@ -171,20 +171,34 @@ class EpisodeId(BaseModel):
 
 
 def refuse_unrestorable(episode_ids: Iterable[EpisodeId]) -> None:
-    """Refuse a restore scope that names an attempt with no next attempt (D361).
+    """Refuse a restore scope that no restore can carry out (D361, D365).
 
-    A restore installs attempt N + 1 of every episode it names; attempt ``MAX_ATTEMPT`` has none.
+    A restore installs attempt N + 1 of every episode it names and fences attempts 0..N of its
+    rollout. So attempt ``MAX_ATTEMPT``, which has no next attempt, cannot be named, and neither
+    can two attempts of one rollout: the later one's fence would refuse what the earlier one
+    installs. The same attempt named twice is one episode, as everywhere else.
 
     Raises:
         ValueError: Naming the first such episode.
     """
+    named: dict[str, EpisodeId] = {}
     for episode in episode_ids:
         # Anything but an episode is left to the model's own validation.
-        if isinstance(episode, EpisodeId) and episode.attempt >= MAX_ATTEMPT:
+        if not isinstance(episode, EpisodeId):
+            continue
+        if episode.attempt >= MAX_ATTEMPT:
             raise ValueError(
                 f"{episode.capture_key} is attempt {MAX_ATTEMPT}, the last an attempt may be: a "
                 "restore has no next attempt to install it under; rerun the rollout from its "
                 "input under a new rollout id"
+            )
+        first = named.setdefault(episode.rollout_id, episode)
+        if first.attempt != episode.attempt:
+            raise ValueError(
+                f"the scope names two attempts of rollout {episode.rollout_id!r} "
+                f"({first.capture_key} and {episode.capture_key}): a restore continues one "
+                "attempt per rollout, and the later one's fence would refuse what the earlier "
+                "one installs"
             )
 
 

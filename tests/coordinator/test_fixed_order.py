@@ -167,6 +167,18 @@ async def test_a_restore_of_the_last_attempt_is_refused_before_anything_is_sent(
         assert all(plane.phase is Phase.IDLE for plane in d.planes.values())
 
 
+async def test_a_restore_of_two_attempts_of_one_rollout_is_refused_before_anything_is_sent(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    # Restoring r1 installs r1-a1, which the fence of r1-a1 would then refuse (D365).
+    directory = await _checkpoint(tmp_path, [R1])
+    async with deployment() as d:
+        with pytest.raises(InvalidRequestError, match="two attempts of rollout 'r1'"):
+            await d.coordinator.restore("r-1", soon(), directory, [R1, R1.next_attempt()])
+        assert d.log == []
+        assert all(plane.phase is Phase.IDLE for plane in d.planes.values())
+
+
 def next_attempts_retired(plane) -> list[EpisodeId]:  # type: ignore[no-untyped-def]
     return [
         EpisodeId(rollout_id=r, attempt=1)

@@ -217,6 +217,23 @@ async def test_a_restore_of_the_last_attempt_is_a_422_and_installs_nothing(
     assert client.plane.phase.value == "idle"
 
 
+async def test_a_restore_of_two_attempts_of_one_rollout_is_a_422_and_installs_nothing(
+    client: Client, tmp_path: Path
+) -> None:
+    # It used to answer 200 with "a-a1" restored, which the fence of a-a1 then refused (D365).
+    async with harness(tmp_path) as h:
+        h.fake.start(ep("a"))
+        await h.plane.prepare(req("c1"))
+        await h.plane.commit(commit_req(h.directory(), [ep("a")]))
+        directory = h.directory()
+    scope = [{"rollout_id": "a"}, {"rollout_id": "a", "attempt": 1}]
+    body = VALID_BODY["restore"] | {"checkpoint_dir": directory, "episode_ids": scope}
+    response = await client.call("restore", body)
+    assert _error(response) == (422, "invalid_request")
+    assert "two attempts of rollout 'a' (a and a-a1)" in response.json()["error"]["detail"]
+    assert client.fake.installed == [] and client.plane.phase.value == "idle"
+
+
 @pytest.mark.parametrize("route", ["commit", "restore"])
 async def test_a_checkpoint_dir_with_a_nul_is_a_422(
     client: Client, tmp_path: Path, route: str

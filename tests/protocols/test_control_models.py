@@ -159,6 +159,22 @@ def test_a_restore_scope_may_not_name_the_last_attempt_but_retire_may() -> None:
     assert RetireRequest.model_validate(body(9999)).episode_ids[1].attempt == 9999
 
 
+def test_a_restore_scope_may_not_name_two_attempts_of_one_rollout() -> None:
+    # The later attempt's fence would refuse what the earlier one installs (D365).
+    def scope(*episodes: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "checkpoint_id": "c",
+            "deadline_ts": 1.0,
+            "checkpoint_dir": "/d",
+            "episode_ids": [{"rollout_id": "q"}, *episodes],
+        }
+
+    with pytest.raises(ValidationError, match=r"two attempts of rollout 'r' \(r-a2 and r\)"):
+        RestoreRequest.model_validate(scope({"rollout_id": "r", "attempt": 2}, {"rollout_id": "r"}))
+    repeated = RestoreRequest.model_validate(scope({"rollout_id": "r"}, {"rollout_id": "r"}))
+    assert len(repeated.episode_ids) == 3  # the same attempt twice is one episode, kept as sent
+
+
 def test_commit_defaults() -> None:
     request = CommitRequest.model_validate_json(
         '{"checkpoint_id": "c", "deadline_ts": 1, "checkpoint_dir": "/d"}'

@@ -266,8 +266,8 @@ class Coordinator:
         the controller then reruns those rollouts from input as later attempts.
 
         Raises:
-            InvalidRequestError: The scope names an attempt with no next attempt (D361);
-                nothing was sent.
+            InvalidRequestError: The scope names an attempt with no next attempt (D361), or
+                two attempts of one rollout (D365); nothing was sent.
             CoordinationError: The restore failed somewhere; its ``failures`` also name any
                 participant whose cleanup failed (``<name> (cleanup retire|resume)``).
         """

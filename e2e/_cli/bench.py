@@ -15,7 +15,7 @@ from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
 from .bench_suites import add_suite_commands, emit_bench
 from .output import JsonOption, console, print_whole, usage_error
-from .serve import LedgerLayoutChoice
+from .serve_options import LedgerLayoutChoice
 
 
 def register(app: typer.Typer) -> None:

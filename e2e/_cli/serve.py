@@ -6,103 +6,33 @@ module in ``e2e._servers`` (or ``e2e._worker``) and run by ``e2e._launch.serving
 
 from __future__ import annotations
 
-from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 
 from participants import LedgerLayoutError
-from protocols import is_object_store_url, open_store
 
 from .._launch.serving import run_server
 from .._servers.agent import create_agent_app
 from .._servers.cluster import DEFAULT_NAMES, DEFAULT_PORTS
-from .._servers.context import ServeContext, active_fault, serve_options_from
+from .._servers.context import active_fault
 from .._servers.environment import DEFAULT_EPISODE_SECONDS, PeerTimeouts, create_environment_app
 from .._servers.model import create_model_app
 from .._servers.resources import create_resources_app
 from .._worker.app import DEFAULT_WORKER_PORT, WorkerSettings, create_worker_app
 from .._worker.engines import DEFAULT_ENGINE, EngineError, engine_names
 from .output import usage_error
+from .serve_options import (
+    LedgerLayoutChoice,
+    ModeChoice,
+    ServeOptions,
+    VerifyChoice,
+    checkpoint_root_option,
+    serve_options,
+)
 
 DETERMINISTIC_TOKEN_DELAY_MS = 2.0
-
-
-def _serve_options(**shared: Any) -> ServeContext:
-    """``serve_options_from``, with a run root that exists as a directory.
-
-    A cluster file it cannot use (D363), or a run root that is a file or cannot be made, is a
-    usage error rather than a traceback from whichever server first writes under it.
-    """
-    try:
-        options = serve_options_from(**shared)
-    except ValueError as exc:
-        usage_error(str(exc))
-    if options.root.exists() and not options.root.is_dir():
-        usage_error(f"run root {options.root} is not a directory")
-    try:
-        options.root.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        usage_error(f"run root {options.root}: {exc.strerror or exc}")
-    return options
-
-
-class ServeOptions:
-    """Option types every role shares."""
-
-    Cluster = Annotated[
-        Path | None,
-        typer.Option("--cluster", help="Cluster file (TOML): the run root and the peers' URLs."),
-    ]
-    Root = Annotated[
-        Path | None,
-        typer.Option("--root", help="Run root; default: the cluster file's, else ./midflight-run."),
-    ]
-    CheckpointRoot = Annotated[
-        str | None,
-        typer.Option(
-            "--checkpoint-root",
-            metavar="DIR|s3://BUCKET/PREFIX",
-            help="Commit and restore only checkpoints under DIR, or under an s3:// prefix "
-            "(endpoint and credentials from AWS_*); default: the run root.",
-        ),
-    ]
-    TraceDir = Annotated[
-        Path | None,
-        typer.Option(
-            "--trace-dir",
-            help="Append this server's spans to DIR as JSON lines (midflight trace DIR draws "
-            "them); OTEL_* variables send them to a collector too.",
-        ),
-    ]
-    Processes = Annotated[
-        int,
-        typer.Option(
-            "--processes",
-            "--workers",
-            min=1,
-            max=64,
-            help="Processes behind one port, each serving a shard of the rollouts; still one "
-            "participant (1: one process). --workers is the same option.",
-        ),
-    ]
-
-
-def checkpoint_root_option(value: str | None) -> Path | str | None:
-    """``--checkpoint-root``: a directory, or an ``s3://`` URL in its canonical form (D330).
-
-    Raises:
-        typer.Exit: A malformed ``s3://`` URL, or S3 support is not installed (a usage error).
-    """
-    if value is None:
-        return None
-    if not is_object_store_url(value):
-        return Path(value)
-    try:
-        return open_store(value).url
-    except ValueError as exc:
-        usage_error(f"--checkpoint-root {value!r}: {exc}")
 
 
 def register(app: typer.Typer) -> None:
@@ -122,28 +52,6 @@ def register(app: typer.Typer) -> None:
     ):
         register_role(serve_app)
     app.add_typer(serve_app)
-
-
-class ModeChoice(StrEnum):
-    """``--mode``: how sessions survive a checkpoint."""
-
-    exported = "exported"
-    stateless = "stateless"
-    restart_only = "restart_only"
-
-
-class LedgerLayoutChoice(StrEnum):
-    """``--ledger-layout``: the capture ledger's on-disk layout (D340)."""
-
-    sqlite = "sqlite"
-    file = "file"
-
-
-class VerifyChoice(StrEnum):
-    """``--verify``: whether a checkpoint waits for verify or lets it be re-run."""
-
-    wait = "wait"
-    replay = "replay"
 
 
 _DEFAULT_TIMEOUTS = PeerTimeouts()
@@ -199,7 +107,7 @@ def _register_worker(serve_app: typer.Typer) -> None:
         ] = 64,
     ) -> None:
         """The inference worker (default port 8701), on the deterministic engine by default."""
-        options = _serve_options(
+        options = serve_options(
             name=name, port=port, cluster=cluster, root=root, trace_dir=trace_dir
         )
         if token_delay_ms is None:
@@ -256,7 +164,7 @@ def _register_model(serve_app: typer.Typer) -> None:
         ] = LedgerLayoutChoice.sqlite,
     ) -> None:
         """The policy server: chat completions captured into <root>/ledger (default port 8702)."""
-        options = _serve_options(
+        options = serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -308,7 +216,7 @@ def _register_resources(serve_app: typer.Typer) -> None:
         ] = None,
     ) -> None:
         """The counter resources server (default port 8703)."""
-        options = _serve_options(
+        options = serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -350,7 +258,7 @@ def _register_agent(serve_app: typer.Typer) -> None:
         ] = False,
     ) -> None:
         """The agent server (default port 8704): sessions driven by the environment."""
-        options = _serve_options(
+        options = serve_options(
             name=name,
             port=port,
             cluster=cluster,
@@ -398,7 +306,7 @@ def _register_environment(serve_app: typer.Typer) -> None:
         ] = _DEFAULT_TIMEOUTS.verify_s,
     ) -> None:
         """The environment server (default port 8705): episodes via the agent and resources."""
-        options = _serve_options(
+        options = serve_options(
             name=name,
             port=port,
             cluster=cluster,

@@ -121,10 +121,11 @@ def read_cluster(path: Path) -> Cluster:
     if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
         raise ValueError(f"{path}: server must be tables, each under its own [[server]] header")
     servers = [_server_entry(path, number, entry) for number, entry in enumerate(entries, 1)]
-    names = [server.name for server in servers]
-    for name in names:
-        if names.count(name) > 1:
-            raise ValueError(f"{path}: two [[server]] tables are named {name!r}")
+    seen: set[str] = set()
+    for server in servers:
+        if server.name in seen:
+            raise ValueError(f"{path}: two [[server]] tables are named {server.name!r}")
+        seen.add(server.name)
     return Cluster(root=Path(root), servers=tuple(servers), checkpoint_store=store)
 
 

@@ -55,6 +55,7 @@ def run_matrix_command(
         if not as_json and not is_progress_line(line):
             error_console.print(f"[dim]{line}[/dim]")
 
+    discard = False  # a failing cell's files stay to be looked at (D366)
     try:
         with (
             error_console.status(f"running {len(cells)} matrix cells…", spinner="dots")
@@ -62,8 +63,13 @@ def run_matrix_command(
             else contextlib.nullcontext()
         ):
             results = run_matrix(cells, options, work, on_line, jobs=jobs)
+    except KeyboardInterrupt:
+        discard = True
+        raise
+    else:
+        discard = all(cell.ok for cell in results)
     finally:
-        if keep_dir is None:
+        if keep_dir is None and discard:
             shutil.rmtree(work, ignore_errors=True)
     ok = all(cell.ok for cell in results)
 
@@ -77,8 +83,11 @@ def run_matrix_command(
         console.print(table)
         failed = sum(1 for cell in results if not cell.ok)
         console.print("[green]PASS[/green]" if ok else f"[red]FAIL[/red]: {failed} cell(s)")
+        if not ok and keep_dir is None:
+            console.print(f"the cells' files are kept in {work}", markup=False)
 
-    emit(cells_json(results), as_json=as_json, render=render)
+    kept = None if keep_dir is None and discard else str(work)
+    emit({**cells_json(results), "kept_dir": kept}, as_json=as_json, render=render)
     raise typer.Exit(0 if ok else 1)
 
 
@@ -321,6 +330,9 @@ def register(app: typer.Typer) -> None:
         def quiet(line: str) -> None:
             return None
 
+        # A run that did not pass keeps its directory (logs, evidence, checkpoints), D366: a
+        # rare failure may not come back when the drill is run again with --keep-dir.
+        discard = False
         try:
             with progress if not as_json else contextlib.nullcontext():
                 figures = run_drill(
@@ -330,17 +342,27 @@ def register(app: typer.Typer) -> None:
                     baseline_dir=baseline.resolve() if baseline else None,
                 )
         except ValueError as exc:  # a kept baseline of other rollouts: nothing was run
+            discard = True  # nothing was run
             usage_error(str(exc))
+        except KeyboardInterrupt:
+            discard = True  # stopped by its user, who did not ask to keep it
+            raise
         except DrillStalledError as exc:  # one line, never a traceback
-            kept = "" if keep_dir is not None else "; rerun with --keep-dir DIR to keep the logs"
-            error_console.print(f"midflight drill: FAIL: {exc}{kept}", markup=False, soft_wrap=True)
+            error_console.print(
+                f"midflight drill: FAIL: {exc}; the run's files are kept in {work}",
+                markup=False,
+                soft_wrap=True,
+            )
             raise typer.Exit(1) from None
+        else:
+            failures = figures.failed_checks(require_cuts=True)
+            discard = not failures
         finally:
-            if keep_dir is None:
+            if keep_dir is None and discard:
                 shutil.rmtree(work, ignore_errors=True)
-        failures = figures.failed_checks(require_cuts=True)
         figures.values["ok"] = not failures
         figures.values["failures"] = failures
+        figures.values["kept_dir"] = None if keep_dir is None and discard else str(work)
 
         def render() -> None:
             table = Table(title="midflight drill")
@@ -362,14 +384,19 @@ def register(app: typer.Typer) -> None:
                     f"processes; {figures.values['ray_left_running']} outlived the head",
                     markup=False,
                 )
-            console.print(
-                f"checkpoints in {figures.values['checkpoint_store']} "
-                f"({figures.values['checkpoint_objects']} objects)",
-                markup=False,
-            )
+            where = figures.values["checkpoint_store"]
+            objects = figures.values["checkpoint_objects"]
+            if figures.values["kept_dir"] is None and where.startswith(str(work)):
+                said = f"{objects} checkpoint objects, removed with the passed run"
+                said += " (--keep-dir DIR keeps them)"
+            else:
+                said = f"checkpoints in {where} ({objects} objects)"
+            console.print(said, markup=False)
             console.print(
                 "[green]PASS[/green]" if not failures else "[red]FAIL[/red]: " + "; ".join(failures)
             )
+            if failures and keep_dir is None:
+                console.print(f"the run's files are kept in {work}", markup=False)
 
         emit(figures.values, as_json=as_json, render=render)
         raise typer.Exit(0 if not failures else 1)

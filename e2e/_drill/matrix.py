@@ -356,5 +356,5 @@ def _run_cells(
 
 
 def cells_json(cells: Sequence[MatrixCell]) -> dict[str, Any]:
-    """``{"cells": [{"killed", "boundary", "ok", "detail"}, …]}``."""
+    """``{"cells": [{"killed", "boundary", "ok", "detail"}, …]}`` (the command adds ``kept_dir``)."""
     return {"cells": [asdict(cell) for cell in cells]}

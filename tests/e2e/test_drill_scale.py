@@ -3,6 +3,7 @@ its length, and a stalled phase reported in one line."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -79,8 +80,83 @@ def test_a_stalled_drill_is_one_line_and_exit_1(
         raise DrillStalledError("the drill's controller did not reach 'done' in phase 0")
 
     monkeypatch.setattr("e2e._cli.drill.run_drill", stalled)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the kept directory goes there
     result = CliRunner().invoke(build_app(), ["drill", "--rollouts", "1000", "--json"])
     lines = result.output.strip().splitlines()
     assert result.exit_code == 1 and len(lines) == 1, result.output
-    assert "did not reach 'done'" in lines[0] and "--keep-dir" in lines[0]
+    assert "did not reach 'done'" in lines[0] and "the run's files are kept in" in lines[0]
     assert "Traceback" not in result.output
+
+
+def _figures(lost: int) -> Any:
+    from e2e._drill.oracle import Figures
+
+    return Figures(
+        {
+            "lost": lost,
+            "checkpoints": 3,
+            "crashes": 2,
+            "restored": 4,
+            "restored_per_crash": [2, 2],
+            "restored_delivered": 3,
+            "held_delivered": 2,
+            "stale_probes_per_crash": [4, 4],
+            "cut_continued": 1,
+        }
+    )
+
+
+@pytest.mark.parametrize(
+    ("outcome", "code", "kept"),
+    [("stalled", 1, True), ("lost", 1, True), ("passed", 0, False)],
+)
+def test_a_run_that_fails_keeps_its_directory_and_names_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, outcome: str, code: int, kept: bool
+) -> None:
+    """D366: without --keep-dir, only a run that passed removes its temporary directory."""
+    runs: list[Path] = []
+
+    def run(options: Any, work: Path, on_line: Any, **kwargs: Any) -> Any:
+        (work / "run" / "logs").mkdir(parents=True)
+        (work / "run" / "logs" / "driver-0.log").write_text("what the controller printed\n")
+        runs.append(work)
+        if outcome == "stalled":
+            raise DrillStalledError("the drill's controller did not reach 'done' in phase 0")
+        return _figures(lost=1 if outcome == "lost" else 0)
+
+    monkeypatch.setattr("e2e._cli.drill.run_drill", run)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    result = CliRunner().invoke(build_app(), ["drill", "--json"])
+    assert result.exit_code == code, result.output
+    (work,) = runs
+    assert (work / "run" / "logs" / "driver-0.log").exists() is kept
+    assert work.parent == tmp_path
+    if outcome == "stalled":
+        assert result.output.strip().endswith(f"the run's files are kept in {work}")
+    else:
+        figures = json.loads(result.stdout)
+        assert figures["kept_dir"] == (str(work) if kept else None)
+        assert figures["ok"] is not kept
+
+
+@pytest.mark.parametrize("ok", [False, True])
+def test_a_matrix_with_a_red_cell_keeps_its_directory(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, ok: bool
+) -> None:
+    from e2e._drill.matrix import MatrixCell
+
+    runs: list[Path] = []
+
+    def run(cells: Any, options: Any, work: Path, on_line: Any, **kwargs: Any) -> Any:
+        (work / "cell-0").mkdir(parents=True)
+        (work / "cell-0" / "controller.log").write_text("the cell's controller\n")
+        runs.append(work)
+        return [MatrixCell("controller", "checkpoint-json-written", ok, "" if ok else "lost 1")]
+
+    monkeypatch.setattr("e2e._cli.drill.run_matrix", run)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    result = CliRunner().invoke(build_app(), ["drill", "--matrix", "small", "--json"])
+    assert result.exit_code == (0 if ok else 1), result.output
+    (work,) = runs
+    assert (work / "cell-0" / "controller.log").exists() is not ok
+    assert json.loads(result.stdout)["kept_dir"] == (None if ok else str(work))

@@ -42,7 +42,7 @@ from ._publish import (
     read_latest,
 )
 from ._ray import DESCRIBE_METHOD, HostedServer, discover_on_ray, hosted_on_ray
-from ._retention import GcReport, collect_garbage, pin_checkpoint, unpin_checkpoint
+from ._retention import GcReport, collect_garbage, is_pinned, pin_checkpoint, unpin_checkpoint
 from ._tracing import CheckpointTrace, checkpoint_trace
 from ._verify import verify_checkpoint
 
@@ -75,6 +75,7 @@ __all__ = [
     "discover",
     "discover_on_ray",
     "hosted_on_ray",
+    "is_pinned",
     "pin_checkpoint",
     "publish_checkpoint",
     "read_checkpoint",

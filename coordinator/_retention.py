@@ -3,7 +3,8 @@
 All functions here are blocking store work (call them from a worker thread inside an event loop),
 on a run root that is a directory or ``s3://bucket/prefix``.
 
-- :func:`pin_checkpoint` / :func:`unpin_checkpoint` add or remove a ``PINNED`` marker.
+- :func:`pin_checkpoint` / :func:`unpin_checkpoint` add or remove a ``PINNED`` marker;
+  :func:`is_pinned` says whether there is one.
 - :func:`collect_garbage` removes partial commits and published checkpoints beyond the newest
   ``keep``, never the target of ``LATEST`` nor a pinned checkpoint (D334): both are re-read from
   the store right before each removal, and a checkpoint loses its ``checkpoint.json`` first, so
@@ -72,6 +73,15 @@ def pin_checkpoint(root: str | Path, checkpoint_id: str) -> str | Path:
         store.delete([marker])
         raise ValueError(f"{where} was collected by gc while it was being pinned")
     return Path(store.describe(marker)) if isinstance(root, Path) else store.describe(marker)
+
+
+def is_pinned(root: str | Path, checkpoint_id: str) -> bool:
+    """Whether the checkpoint holds the ``PINNED`` marker (``gc`` never removes it then).
+
+    Raises:
+        ValueError: The id is unsafe, or a malformed ``s3://`` URL.
+    """
+    return open_store(root).exists(checkpoint_key(checkpoint_id, PINNED_FILE))
 
 
 def unpin_checkpoint(root: str | Path, checkpoint_id: str) -> bool:

@@ -99,6 +99,7 @@ PUBLIC = {
         "checkpoint_location",
         # the participants hosted on Ray, found from Ray (D338)
         "DESCRIBE_METHOD", "HostedServer", "discover_on_ray", "hosted_on_ray",
+        "is_pinned",  # what `pin` tells its user it changed (D367)
     ],
     "e2e": [
         "build_app", "main",

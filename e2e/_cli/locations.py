@@ -46,6 +46,12 @@ def _open(url: str) -> CheckpointStore:
         usage_error(str(exc))
 
 
+def _naming(url: str, exc: OSError) -> str:
+    """The store's failure as one line that names ``url`` once (the store's own text may)."""
+    said = str(exc)
+    return said if said.startswith(url) else f"{url}: {said}"
+
+
 def _parent(url: str) -> str:
     return url.rsplit("/", 1)[0]
 
@@ -85,7 +91,7 @@ def check_store_checkpoint(url: str) -> CheckpointStore:
                 f"({_latest_hint(store, '')})"
             )
     except OSError as exc:
-        usage_error(f"{url}: {exc}")
+        usage_error(_naming(url, exc))
     usage_error(f"{url} is not a checkpoint: it has no {CHECKPOINT_FILE} and no shares")
 
 
@@ -109,4 +115,4 @@ def check_store_root(url: str) -> None:
                 f"{url}: nothing is stored there (name the run root, which holds checkpoints/)"
             )
     except OSError as exc:
-        usage_error(f"{url}: {exc}")
+        usage_error(_naming(url, exc))

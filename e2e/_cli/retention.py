@@ -17,6 +17,7 @@ from coordinator import (
     CHECKPOINTS_SUBDIR,
     LATEST_FILE,
     collect_garbage,
+    is_pinned,
     pin_checkpoint,
     unpin_checkpoint,
     verify_checkpoint,
@@ -180,22 +181,29 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Protect a published checkpoint from gc (or lift the protection)."""
         location = as_location(root)
+        # The root is checked as gc checks it: an unpin under a mistyped root did nothing and
+        # said "unpinned" (D367).
+        if isinstance(location, Path):
+            check_root_argument(location)
+        else:
+            check_store_root(location)
         try:
-            changed = (
-                unpin_checkpoint(location, checkpoint_id)
-                if remove
-                else bool(pin_checkpoint(location, checkpoint_id))
-            )
+            if remove:
+                changed = unpin_checkpoint(location, checkpoint_id)
+            else:
+                changed = not is_pinned(location, checkpoint_id)
+                pin_checkpoint(location, checkpoint_id)
         except ValueError as exc:
             usage_error(str(exc))
         except OSError as exc:
             store_failed(exc)
         payload = {"checkpoint_id": checkpoint_id, "pinned": not remove, "changed": changed}
-        emit(
-            payload,
-            as_json=as_json,
-            render=lambda: console.print(f"{checkpoint_id}: {'unpinned' if remove else 'pinned'}"),
-        )
+        state = "unpinned" if remove else "pinned"
+        if changed:
+            said = f"{checkpoint_id}: {state}"
+        else:
+            said = f"{checkpoint_id}: " + ("was not pinned" if remove else "already pinned")
+        emit(payload, as_json=as_json, render=lambda: console.print(said, markup=False))
 
 
 class _Quiet:

@@ -123,3 +123,32 @@ async def test_gc_of_a_missing_root_or_of_a_checkpoint_is_a_one_line_usage_error
     fresh.mkdir()
     code, report, _ = run("gc", str(fresh), "--json")
     assert code == 0 and report["removed"] == []
+
+
+async def test_pin_says_what_it_changed_and_refuses_a_root_that_is_not_one(
+    tmp_path: Path,
+) -> None:
+    """D367: a second pin or an unpin of nothing changes nothing and says so; a mistyped root is
+    a usage error for pin and unpin alike, as it is for gc."""
+    await _commit_and_publish(tmp_path, "c1", None)
+    said = []
+    for args in (("c1",), ("c1",), ("c1", "--remove"), ("c1", "--remove")):
+        code, payload, _ = run("pin", str(tmp_path), *args, "--json")
+        assert code == 0
+        said.append(payload["changed"])
+    assert said == [True, False, True, False]
+    assert not (checkpoint_directory(tmp_path, "c1") / PINNED_FILE).exists()
+    code, _, output = run("pin", str(tmp_path), "c1", "--remove")
+    assert code == 0 and output.strip() == "c1: was not pinned"
+    run("pin", str(tmp_path), "c1")
+    code, _, output = run("pin", str(tmp_path), "c1")
+    assert code == 0 and output.strip() == "c1: already pinned"
+    for root, why in (
+        (tmp_path / "nowhere", "no such directory"),
+        (tmp_path / "checkpoints", "holds the checkpoints"),
+        (checkpoint_directory(tmp_path, "c1"), "is one checkpoint"),
+    ):
+        for extra in ((), ("--remove",)):
+            code, _, output = run("pin", str(root), "c1", *extra)
+            assert why in _one_line_usage_error(code, output)
+    assert (checkpoint_directory(tmp_path, "c1") / PINNED_FILE).exists()  # none of them unpinned

@@ -145,3 +145,11 @@ async def test_a_malformed_checkpoint_store_is_a_usage_error_and_old_files_still
         build_app(), ["restore", "--cluster", str(path)], env={"MIDFLIGHT_CONTROL_TOKEN": "t"}
     )
     assert result.exit_code == 2 and f"nothing is published under {s3_root}" in result.output
+
+
+async def test_a_store_failure_names_the_url_once(s3_root: str) -> None:
+    """The store's own error already begins with the URL: the line does not say it twice."""
+    url = "s3://no-such-bucket/x" + s3_root.removeprefix("s3://midflight")
+    for command in (("verify", url), ("gc", url), ("pin", url, "c1", "--remove")):
+        line = one_line_usage_error(*command)
+        assert line.count(url) == 1 and "404 Not Found" in line, line

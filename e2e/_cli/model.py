@@ -24,7 +24,12 @@ def register(app: typer.Typer) -> None:
 
     @model_app.command("tiny")
     def tiny_command(
-        directory: Annotated[Path, typer.Argument(help="Where to write the model (replaced).")],
+        directory: Annotated[
+            Path,
+            typer.Argument(
+                help="Where to write the model: a new or empty directory, or a tiny model to replace."
+            ),
+        ],
         seed: Annotated[int, typer.Option(min=0, max=2**32 - 1, help="Weight seed.")] = 0,
         as_json: JsonOption = False,
     ) -> None:
@@ -33,6 +38,10 @@ def register(app: typer.Typer) -> None:
             built = build_tiny_model(directory, seed=seed)
         except ImportError as exc:
             usage_error(f"{ENGINE_EXTRA_HINT} ({exc.name or exc} is missing)")
+        except ValueError as exc:  # a directory that is no tiny model: nothing was written
+            usage_error(str(exc))
+        except OSError as exc:  # a parent that cannot hold it (missing, read-only, not a dir)
+            usage_error(f"{directory}: the model cannot be written there ({exc.strerror or exc})")
         payload = {
             "directory": str(built.directory),
             "digest": built.digest,

@@ -81,15 +81,36 @@ def directory_digest(directory: Path) -> str:
     return digest.hexdigest()
 
 
+def refuse_to_replace(directory: Path) -> None:
+    """Refuse a ``directory`` that the build would replace and that is not a tiny model.
+
+    Raises:
+        ValueError: ``directory`` is a file, or a non-empty directory without ``midflight.json``.
+    """
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ValueError(f"{directory} is not a directory: name a new one")
+    ours = (directory / ENGINE_FILE).is_file()
+    if directory.is_dir() and not ours and any(directory.iterdir()):
+        raise ValueError(
+            f"{directory} holds files and no {ENGINE_FILE}, so it is no tiny model: the "
+            "build replaces its directory whole; name a new or empty one"
+        )
+
+
 def build_tiny_model(directory: Path, *, seed: int = 0) -> TinyModel:
     """Write the tiny model and its tokenizer to ``directory`` (replacing what is there).
 
     The files are written into a temporary sibling, fsynced, and renamed into place, so a crash
     leaves the old directory or the whole new one, never half a model.
 
+    Only a tiny model is replaced (a directory holding ``midflight.json``): any other directory
+    that holds files, or a file, is refused before anything is written (D368).
+
     Raises:
         ImportError: The ``engine`` extra is not installed.
+        ValueError: ``directory`` is a file, or a directory holding something else.
     """
+    refuse_to_replace(directory)
     import torch
     from tokenizers import Tokenizer, models
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast

@@ -305,3 +305,28 @@ def test_serve_on_a_run_root_that_cannot_be_a_directory_is_a_usage_error(
     lines = result.output.strip().splitlines()
     assert result.exit_code == 2 and len(lines) == 1, result.output
     assert lines[0].startswith("error: run root ") and says in lines[0]
+
+
+def test_model_tiny_replaces_only_a_tiny_model_and_refuses_the_rest_untouched(
+    tmp_path: Path,
+) -> None:
+    # `model tiny DIR` replaced whatever DIR was, a file or a directory of other files (D368).
+    (tmp_path / "notes.txt").write_text("mine")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / "data").write_text("mine too")
+    (tmp_path / "link").symlink_to(tmp_path / "work")
+    unwritable = "/proc/midflight-model"  # its parent refuses a new directory, even to root
+    cases = {
+        str(tmp_path / "notes.txt"): "is not a directory",
+        str(tmp_path / "work"): "no tiny model",
+        str(tmp_path / "link"): "is not a directory",
+        unwritable: "cannot be written there",
+    }
+    for directory, says in cases.items():
+        result = runner.invoke(build_app(), ["model", "tiny", directory], env={"COLUMNS": "200"})
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert lines[0].startswith("error: ") and says in lines[0], lines[0]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+    assert (tmp_path / "work" / "data").read_text() == "mine too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "notes.txt", "work"]

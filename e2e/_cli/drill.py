@@ -18,7 +18,14 @@ from participants import RESOURCES_MODES, VERIFY_MODES
 from .._drill.matrix import cells_json, parse_cells, run_matrix
 from .._drill.oracle import ERROR_FIGURES
 from .._drill.progress import DrillProgress, is_progress_line
-from .._drill.run import FAULTS, DrillOptions, DrillStalledError, default_concurrency, run_drill
+from .._drill.run import (
+    FAULTS,
+    DrillOptions,
+    DrillStalledError,
+    check_baseline_dir,
+    default_concurrency,
+    run_drill,
+)
 from .._drill.store import DISK
 from .._sequences.cases import NAMED_CASES
 from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
@@ -279,6 +286,11 @@ def register(app: typer.Typer) -> None:
         refuse_an_engine_that_cannot_run(engine, model, dtype)
         if keep_dir is not None:
             refuse_a_used_directory(keep_dir)
+        if baseline is not None:
+            try:
+                check_baseline_dir(baseline)
+            except ValueError as exc:
+                usage_error(str(exc))
         if matrix is None and not sequences:
             refuse_a_drill_that_cannot_pass(checkpoints, crashes)
         if rollouts is None:

@@ -240,6 +240,40 @@ def run_cluster(
 
 BASELINE_MARKER = "baseline.json"
 """Written into a baseline directory once its run finished: what its outcomes depend on."""
+BASELINE_STARTED = "baseline-started"
+"""Written into a baseline directory before its run starts: a drill may remove what it holds."""
+
+
+def check_baseline_dir(directory: Path) -> None:
+    """Refuse a baseline directory the drill could neither reuse nor remove (D369).
+
+    Raises:
+        ValueError: ``directory`` is a file or a link, holds a torn ``baseline.json``, or holds
+            files no drill wrote (an unfinished baseline is removed and run again whole).
+    """
+    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
+        raise ValueError(f"--baseline {directory} is not a directory")
+    if not directory.exists():
+        return
+    if (directory / BASELINE_MARKER).exists():
+        _finished_baseline(directory / BASELINE_MARKER)
+    elif not (directory / BASELINE_STARTED).exists() and any(directory.iterdir()):
+        raise ValueError(
+            f"--baseline {directory} holds files that are no drill's baseline: name a new or "
+            "empty directory"
+        )
+
+
+def _finished_baseline(marker: Path) -> dict[str, Any]:
+    """The finished baseline's record; ValueError when it is not one this drill wrote."""
+    try:
+        recorded = json.loads(marker.read_text())
+        if isinstance(recorded, dict) and {"key", "wall_s"} <= recorded.keys():
+            float(recorded["wall_s"])
+            return recorded
+    except (OSError, ValueError, TypeError):  # unreadable, not JSON, or of the wrong shape
+        pass
+    raise ValueError(f"{marker} is not a finished baseline's record: remove it, or name another")
 
 
 def baseline_key(options: DrillOptions) -> dict[str, Any]:
@@ -271,7 +305,7 @@ def _baseline(
     """Run the baseline into ``directory`` (or reuse a finished one); its wall time."""
     marker = directory / BASELINE_MARKER
     if reuse and marker.exists():
-        recorded = json.loads(marker.read_text())
+        recorded = _finished_baseline(marker)
         if recorded["key"] != baseline_key(options):
             raise ValueError(
                 f"the baseline in {directory} was run with {recorded['key']}, "
@@ -279,8 +313,11 @@ def _baseline(
             )
         on_line(f"baseline: reused from {directory}")
         return float(recorded["wall_s"])
+    check_baseline_dir(directory)
     if directory.exists():
         shutil.rmtree(directory)  # an unfinished baseline (no marker) is run again whole
+    directory.mkdir(parents=True)
+    (directory / BASELINE_STARTED).write_text("a drill's baseline runs here\n")
     started = time.monotonic()
     with hosting.cluster(directory) as cluster:
         run_cluster(

@@ -142,3 +142,34 @@ def test_a_kept_baseline_of_other_rollouts_is_refused_before_anything_runs(tmp_p
     assert completed.returncode == 2, completed.stderr[-2000:]
     assert "was run with" in " ".join(completed.stderr.split())
     assert sorted(kept.iterdir()) == [kept / BASELINE_MARKER]  # nothing ran, nothing was removed
+
+
+def test_a_baseline_directory_of_other_files_is_refused_and_left_as_it_was(tmp_path: Path) -> None:
+    """D369: an unfinished baseline is run again whole, so only a drill's own may be removed."""
+    from typer.testing import CliRunner
+
+    from e2e._cli.app import build_app
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("not a baseline")
+    (tmp_path / "a-file").write_text("nor this")
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / BASELINE_MARKER).write_text('{"key": ')
+    (tmp_path / "link").symlink_to(mine)
+    cases = {
+        mine: "no drill's baseline",
+        tmp_path / "a-file": "is not a directory",
+        tmp_path / "link": "is not a directory",
+        torn: "is not a finished baseline's record",
+    }
+    for directory, says in cases.items():
+        args = ["drill", "--baseline", str(directory), "--keep-dir", str(tmp_path / "k"), *SMALL]
+        result = CliRunner().invoke(build_app(), args, env={"COLUMNS": "200"})
+        lines = result.output.strip().splitlines()
+        assert result.exit_code == 2 and len(lines) == 1, result.output
+        assert lines[0].startswith("error: ") and says in lines[0], lines[0]
+    assert (mine / "notes.txt").read_text() == "not a baseline"
+    assert (tmp_path / "a-file").read_text() == "nor this"
+    assert (torn / BASELINE_MARKER).read_text() == '{"key": '

@@ -13,6 +13,7 @@ from .._bench.common import quiet_logs, under_load
 from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
+from .bench_paths import DirOption, refuse_unusable_paths
 from .bench_suites import add_suite_commands, emit_bench
 from .output import JsonOption, console, print_whole, usage_error
 from .serve_options import LedgerLayoutChoice
@@ -33,10 +34,7 @@ def register(app: typer.Typer) -> None:
         batch: Annotated[
             int, typer.Option(min=1, max=4096, help="Ids per retire/delete/import batch.")
         ] = 256,
-        directory: Annotated[
-            Path | None,
-            typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
-        ] = None,
+        directory: DirOption = None,
         layout: Annotated[
             LedgerLayoutChoice,
             typer.Option(help="The ledger's on-disk layout, each beside its own floor."),
@@ -45,6 +43,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The capture ledger: µs per rollout for record, manifest (alone and 64 at once),
         retire, delete and import."""
+        refuse_unusable_paths(directory)
         with tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch:
             payload = under_load(
                 lambda: run_ledger_bench(
@@ -89,16 +88,14 @@ def register(app: typer.Typer) -> None:
             int, typer.Option(min=1, help="Rollouts to serve, one at a time.")
         ] = 1000,
         calls: Annotated[int, typer.Option(min=1, help="Captured calls per rollout.")] = 4,
-        directory: Annotated[
-            Path | None,
-            typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
-        ] = None,
+        directory: DirOption = None,
         layout: Annotated[
             LedgerLayoutChoice, typer.Option(help="The capture ledger's on-disk layout.")
         ] = LedgerLayoutChoice.sqlite,
         as_json: JsonOption = False,
     ) -> None:
         """The policy server's hot path: CPU µs per captured call, per step, fsync stubbed out."""
+        refuse_unusable_paths(directory)
         with (
             tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,
             quiet_logs(),
@@ -140,15 +137,11 @@ def register(app: typer.Typer) -> None:
         parked: Annotated[
             int, typer.Option(min=1, help="Rollouts parked at each mode's checkpoint.")
         ] = 50,
-        directory: Annotated[
-            Path | None,
-            typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
-        ] = None,
+        directory: DirOption = None,
         as_json: JsonOption = False,
     ) -> None:
         """Tracing off and on: µs per model call, the checkpoint pause, spans written."""
-        if directory is not None and not directory.is_dir():
-            usage_error(f"--dir {directory} is not a directory")
+        refuse_unusable_paths(directory)
         try:
             with (
                 tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,

@@ -23,21 +23,9 @@ from .._bench.output import PLOT_FILE, Profile, plot_checkpoint, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.restore import run_restore_bench
 from .._bench.scale import LADDER, run_scale_bench
+from .bench_paths import DirOption, OutOption, ProfileOption, refuse_unusable_paths
 from .bench_progress import BenchProgress
 from .output import JsonOption, console, emit, error_console, print_whole
-
-DirOption = Annotated[
-    Path | None,
-    typer.Option("--dir", help="Where to measure (a scratch directory is made in it)."),
-]
-OutOption = Annotated[
-    Path | None,
-    typer.Option("--out", help="Also write <suite>.json (and checkpoint.png) into this directory."),
-]
-ProfileOption = Annotated[
-    Path | None,
-    typer.Option("--profile", help="Write a pyinstrument profile (HTML, and .txt beside it)."),
-]
 
 
 def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
@@ -76,6 +64,7 @@ def _run(
 ) -> dict[str, Any]:
     """Measure in a scratch directory, with an optional profile and, without ``--json``, its
     progress on stderr; write ``--out`` files."""
+    refuse_unusable_paths(directory, out, profile)
     profiler = Profile(profile) if profile is not None else None
     with (
         quiet_logs(),

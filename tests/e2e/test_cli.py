@@ -330,3 +330,36 @@ def test_model_tiny_replaces_only_a_tiny_model_and_refuses_the_rest_untouched(
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert (tmp_path / "work" / "data").read_text() == "mine too"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "notes.txt", "work"]
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["bench", "scale", "--ladder", "10", "--out", "{file}"], "{file} is not a directory"),
+        (
+            ["bench", "checkpoint", "--sizes", "10", "--out", "{file}/x"],
+            "{file} is not a directory",
+        ),
+        (["bench", "restore", "--sizes", "10", "--out", "/proc/midflight"], "cannot be written"),
+        (["bench", "checkpoint", "--sizes", "10", "--dir", "{file}"], "no scratch directory"),
+        (["bench", "ledger", "--dir", "{file}"], "no scratch directory"),
+        (["bench", "hotpath", "--dir", "/proc"], "no scratch directory"),
+        (["bench", "overhead", "--dir", "{file}"], "no scratch directory"),
+        (["bench", "tracing", "--dir", "{file}"], "no scratch directory"),
+        (["bench", "checkpoint", "--sizes", "10", "--profile", "{file}/p.html"], "not a directory"),
+        (["bench", "checkpoint", "--sizes", "10", "--profile", "p.txt"], "name the HTML file"),
+        (["bench", "restore", "--sizes", "10", "--profile", "{dir}"], "is a directory"),
+    ],
+)
+def test_a_bench_refuses_a_place_it_cannot_write_before_it_measures(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
+    # Each was a traceback; --out and --profile only after the whole run had been measured (D370).
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file", dir=tmp_path) for a in args]
+    says = says.format(file=tmp_path / "file")
+    result = runner.invoke(build_app(), args, env={"COLUMNS": "200"})
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: ") and says in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # nothing measured or written

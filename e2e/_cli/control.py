@@ -38,7 +38,7 @@ from protocols import EpisodeId, WireError, validate_rollout_ids
 from .._servers.cluster import Cluster, read_cluster
 from .._servers.context import CONTROL_TOKEN_ENV
 from .locations import store_failed
-from .output import JsonOption, console, emit, error_console, usage_error
+from .output import JsonOption, console, counted, emit, error_console, usage_error
 from .status_table import CONTROL_DISABLED, answered, participant_rows, status_table
 
 T = TypeVar("T")
@@ -297,7 +297,8 @@ def register(app: typer.Typer) -> None:
             payload,
             as_json=as_json,
             render=lambda: console.print(
-                f"[green]restored[/green] {len(restored)} episodes from {manifest.checkpoint_id}"
+                f"[green]restored[/green] {counted(len(restored), 'episode')} from "
+                f"{manifest.checkpoint_id}"
             ),
         )
 
@@ -368,7 +369,9 @@ def _simple(app: typer.Typer) -> None:
         emit(
             {"ok": True, "retired": [e.capture_key for e in episodes], "participants": names},
             as_json=as_json,
-            render=lambda: console.print(f"[green]retired[/green] {len(episodes)} attempts"),
+            render=lambda: console.print(
+                f"[green]retired[/green] {counted(len({e.capture_key for e in episodes}), 'attempt')}"
+            ),
         )
 
     @app.command("forget")
@@ -396,5 +399,7 @@ def _simple(app: typer.Typer) -> None:
         emit(
             {"ok": True, "forgotten": sorted(set(rollout_ids)), "participants": names},
             as_json=as_json,
-            render=lambda: console.print(f"[green]forgot[/green] {len(rollout_ids)} rollouts"),
+            render=lambda: console.print(
+                f"[green]forgot[/green] {counted(len(set(rollout_ids)), 'rollout')}"
+            ),
         )

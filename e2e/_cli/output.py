@@ -49,6 +49,11 @@ def emit(payload: dict[str, Any], *, as_json: bool, render: Callable[[], None]) 
         render()
 
 
+def counted(count: int, noun: str) -> str:
+    """``1 attempt``, ``3 attempts``: a count and its noun, plural when it is not one."""
+    return f"{count:,} {noun}" if count == 1 else f"{count:,} {noun}s"
+
+
 def usage_error(message: str) -> NoReturn:
     """Print ``error: <message>`` as one line on stderr and exit 2.
 

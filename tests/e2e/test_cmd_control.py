@@ -140,6 +140,17 @@ async def test_checkpoint_verify_restore_retire_forget_from_the_command_line(
         code, out = await cli("forget", *cluster, "r2")
         assert code == 0 and out["forgotten"] == ["r2"]
         assert [i for i, op, _ in s.log if op == "forget"] == ["environment", "agent", "policy"]
+        for args, said in (
+            (("forget", *cluster, "r2", "r2"), "forgot 1 rollout"),  # one rollout, named twice
+            (("retire", *cluster, R2.capture_key), "retired 1 attempt"),
+        ):
+            result = await anyio.to_thread.run_sync(
+                lambda a=args: CliRunner().invoke(
+                    build_app(), list(a), env={"MIDFLIGHT_CONTROL_TOKEN": TOKEN}
+                )
+            )
+            last = result.stdout.strip().splitlines()[-1]  # the servers log in this process too
+            assert result.exit_code == 0 and last == said, result.output
         code, out = await cli("retire", *cluster, "not a key!")
         assert code != 0
         for name, plane in s.planes.items():

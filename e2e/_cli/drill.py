@@ -359,11 +359,14 @@ def register(app: typer.Typer) -> None:
         except KeyboardInterrupt:
             discard = True  # stopped by its user, who did not ask to keep it
             raise
-        except DrillStalledError as exc:  # one line, never a traceback
-            error_console.print(
-                f"midflight drill: FAIL: {exc}; the run's files are kept in {work}",
-                markup=False,
-                soft_wrap=True,
+        except DrillStalledError as exc:  # one line (or one JSON object), never a traceback
+            message = f"{exc}; the run's files are kept in {work}"
+            emit(
+                {"ok": False, "error": message, "failures": [str(exc)], "kept_dir": str(work)},
+                as_json=as_json,
+                render=lambda: error_console.print(
+                    f"midflight drill: FAIL: {message}", markup=False, soft_wrap=True
+                ),
             )
             raise typer.Exit(1) from None
         else:

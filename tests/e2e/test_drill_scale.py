@@ -81,11 +81,17 @@ def test_a_stalled_drill_is_one_line_and_exit_1(
 
     monkeypatch.setattr("e2e._cli.drill.run_drill", stalled)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # the kept directory goes there
-    result = CliRunner().invoke(build_app(), ["drill", "--rollouts", "1000", "--json"])
-    lines = result.output.strip().splitlines()
-    assert result.exit_code == 1 and len(lines) == 1, result.output
-    assert "did not reach 'done'" in lines[0] and "the run's files are kept in" in lines[0]
+    result = CliRunner().invoke(build_app(), ["drill", "--rollouts", "1000"])
+    line = result.output.strip().splitlines()[-1]  # under the progress bar's last frame
+    assert result.exit_code == 1 and line.startswith("midflight drill: FAIL: "), result.output
+    assert "did not reach 'done'" in line and "the run's files are kept in" in line
     assert "Traceback" not in result.output
+    # With --json, the same failure is one JSON object on stdout, as the control commands do.
+    result = CliRunner().invoke(build_app(), ["drill", "--rollouts", "1000", "--json"])
+    (line,) = result.output.strip().splitlines()
+    failed = json.loads(line)
+    assert result.exit_code == 1 and failed["ok"] is False and failed["kept_dir"]
+    assert "did not reach 'done'" in failed["failures"][0] and failed["kept_dir"] in failed["error"]
 
 
 def _figures(lost: int) -> Any:
@@ -131,12 +137,9 @@ def test_a_run_that_fails_keeps_its_directory_and_names_it(
     (work,) = runs
     assert (work / "run" / "logs" / "driver-0.log").exists() is kept
     assert work.parent == tmp_path
-    if outcome == "stalled":
-        assert result.output.strip().endswith(f"the run's files are kept in {work}")
-    else:
-        figures = json.loads(result.stdout)
-        assert figures["kept_dir"] == (str(work) if kept else None)
-        assert figures["ok"] is not kept
+    figures = json.loads(result.stdout)
+    assert figures["kept_dir"] == (str(work) if kept else None)
+    assert figures["ok"] is not kept
 
 
 @pytest.mark.parametrize("ok", [False, True])

@@ -99,6 +99,18 @@ class DriverProcess:
             if not read:
                 return False  # silent for the whole stall, or the process ended
 
+    def why_it_stopped(self, stall: float) -> str:
+        """Why :meth:`wait_for_progressing` gave up: the exit code and the last line of the
+        controller's log when it exited, else the silence (a failure worth a line of its own)."""
+        try:
+            code: int | None = self.process.wait(timeout=2.0)  # its output ends just before it
+        except subprocess.TimeoutExpired:
+            code = None
+        if code is None:
+            return f"it printed nothing for {stall:g} s"
+        last = _last_line(Path(self._log.name))
+        return f"it exited with code {code}" + (f", its log ending {last!r}" if last else "")
+
     def kill(self) -> None:
         """SIGKILL the controller's process group."""
         with contextlib.suppress(ProcessLookupError):
@@ -108,3 +120,14 @@ class DriverProcess:
         if self.process.stdout is not None:
             self.process.stdout.close()
         self._log.close()
+
+
+def _last_line(path: Path, tail: int = 4096) -> str:
+    """The last non-empty line of ``path`` (its last ``tail`` bytes read), ``""`` if none."""
+    try:
+        with open(path, "rb") as handle:
+            handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except OSError:
+        return ""
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")[:300]

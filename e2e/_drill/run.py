@@ -224,9 +224,9 @@ def run_cluster(
                 word = "crash-point" if crash_after else "done"
                 if not driver.wait_for_progressing(word, options.phase_timeout_s, on_line):
                     raise DrillStalledError(
-                        f"the drill's controller did not reach {word!r} in phase {phase}: it "
-                        f"exited or printed nothing for {options.phase_timeout_s:g} s (its log "
-                        f"is {root / 'logs' / f'driver-{phase}.log'})"
+                        f"the drill's controller did not reach {word!r} in phase {phase}: "
+                        f"{driver.why_it_stopped(options.phase_timeout_s)} (its log is "
+                        f"{root / 'logs' / f'driver-{phase}.log'})"
                     )
             finally:
                 driver.kill()

@@ -163,3 +163,41 @@ def test_a_matrix_with_a_red_cell_keeps_its_directory(
     (work,) = runs
     assert (work / "cell-0" / "controller.log").exists() is not ok
     assert json.loads(result.stdout)["kept_dir"] == (None if ok else str(work))
+
+
+def test_a_stopped_controller_is_reported_with_its_exit_code_and_last_log_line(
+    tmp_path: Path,
+) -> None:
+    """D366: the stall's line says why: the exit code and the log's last line, or the silence."""
+
+    def started(script: str) -> DriverProcess:
+        driver = DriverProcess.__new__(DriverProcess)
+        driver._log = open(tmp_path / f"driver-{len(list(tmp_path.iterdir()))}.log", "ab")  # noqa: SIM115
+        driver.process = subprocess.Popen(
+            [sys.executable, "-u", "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=driver._log,
+            stdin=subprocess.DEVNULL,
+        )
+        driver._buffer = b""
+        return driver
+
+    crashed = started(
+        "print('progress 0/1')\nraise ConnectionError('all connection attempts failed')"
+    )
+    try:
+        assert not crashed.wait_for_progressing("done", 30, lambda line: None)
+        why = crashed.why_it_stopped(30)
+        assert why.startswith("it exited with code 1, its log ending ")
+        assert "ConnectionError: all connection attempts failed" in why
+    finally:
+        _close(crashed)
+        crashed._log.close()
+    silent = started("import time\nprint('progress 0/1')\ntime.sleep(30)")
+    try:
+        assert not silent.wait_for_progressing("done", 0.5, lambda line: None)
+        assert silent.why_it_stopped(0.5) == "it printed nothing for 0.5 s"
+    finally:
+        silent.process.kill()
+        _close(silent)
+        silent._log.close()

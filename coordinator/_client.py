@@ -41,7 +41,7 @@ from protocols import (
     encode_wire,
 )
 
-from ._retry import DEFAULT_CONTROL_ATTEMPTS, RetryingCaller, RetryPolicy
+from ._retry import DEFAULT_CONTROL_ATTEMPTS, RetryingCaller, RetryPolicy, pool_limits
 
 STATUS_TIMEOUT_SECONDS: Final = 60.0
 """Cap of one status probe (discovery), as in the reference."""
@@ -91,7 +91,7 @@ class ControlClient:
             name="control",
             policy=policy,
             transport=transport,
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=2),
+            limits=pool_limits(max_connections, max_keepalive=2),
             check_reply=self._refuse_a_non_participant,
         )
 

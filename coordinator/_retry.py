@@ -31,6 +31,24 @@ from ._tracing import inject_headers
 DEFAULT_CONTROL_ATTEMPTS: Final = 3
 """How many times a retryable failure is tried in all, by default."""
 
+IDLE_CONNECTION_EXPIRY_S: Final = 2.0
+"""How long a pooled connection may sit idle before a call opens a new one instead (D371).
+
+uvicorn closes a connection idle for 5 s, as does httpx's default pool: a call sent down a
+connection at the moment the server closed it reads nothing back (``RemoteProtocolError: Server
+disconnected without sending a response``). Expiring idle connections at 2 s keeps a pooled
+connection well inside any server's keep-alive of 5 s, so that race costs no retry."""
+
+
+def pool_limits(max_connections: int | None = 100, max_keepalive: int | None = 20) -> httpx.Limits:
+    """httpx's pool limits with idle connections expiring at ``IDLE_CONNECTION_EXPIRY_S``."""
+    return httpx.Limits(
+        max_connections=max_connections,
+        max_keepalive_connections=max_keepalive,
+        keepalive_expiry=IDLE_CONNECTION_EXPIRY_S,
+    )
+
+
 ReplyCheck = Callable[[str, httpx.Response], None]
 """Looks at a reply before its envelope is read: ``(path, reply)``; raises to refuse it."""
 
@@ -109,7 +127,7 @@ class RetryingCaller:
         name: What these calls are, for messages (``control``, ``ledger control``).
         policy: How calls are retried.
         transport: An httpx transport (tests pass ``httpx.ASGITransport``).
-        limits: The connection pool's limits (httpx's defaults when ``None``).
+        limits: The connection pool's limits (``pool_limits()`` when ``None``).
         check_reply: Looks at every reply before its envelope is read and may raise.
     """
 
@@ -129,12 +147,11 @@ class RetryingCaller:
         self.name = name
         self.policy = policy
         self._check_reply = check_reply
-        pool: dict[str, Any] = {} if limits is None else {"limits": limits}
         self._http = httpx.AsyncClient(
             base_url=url + prefix,
             headers={"authorization": f"Bearer {token}"},
             transport=transport,
-            **pool,
+            limits=pool_limits() if limits is None else limits,
         )
 
     async def aclose(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import anyio
 import httpx
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from coordinator import (
     Coordinator,
@@ -31,6 +32,7 @@ from participants.testing import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
 from .._servers.cluster import Cluster
+from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
 LEDGER_PREFIX = "/training-token-capture/control"
@@ -78,7 +80,9 @@ class ControlSession:
         fault = os.environ.get("MIDFLIGHT_FAULT")
         self.publish_fault = fault if fault in PUBLISH_FAULTS else None
         self._auth = {"Authorization": f"Bearer {token}"}
-        self._http = httpx.AsyncClient(timeout=httpx.Timeout(60.0, connect=10.0))
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(60.0, connect=10.0), limits=CONTROLLER_POOL
+        )
         self._coordinator: Coordinator | None = None
 
     async def coordinator(self) -> Coordinator:
@@ -162,8 +166,22 @@ class ControlSession:
         """Where a checkpoint of this run is committed: a directory, or an ``s3://`` URL."""
         return checkpoint_location(root, checkpoint_id)
 
+    async def _get(self, url: str) -> httpx.Response:
+        """GET ``url``, sent again (up to three times in all) when the transport lost it: a read
+        is idempotent, as the coordinator's clients retry theirs (D371)."""
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(httpx.TransportError),
+            stop=stop_after_attempt(3),
+            wait=wait_exponential(multiplier=0.2, max=2.0),
+            reraise=True,
+        )
+        async for attempt in retrying:
+            with attempt:
+                return await self._http.get(url, headers=self._auth)
+        raise AssertionError("unreachable: the last attempt returned or raised")
+
     async def _status(self, url: str) -> dict[str, Any]:
-        reply = await self._http.get(url + f"{CONTROL_PREFIX}/status", headers=self._auth)
+        reply = await self._get(url + f"{CONTROL_PREFIX}/status")
         reply.raise_for_status()
         result: dict[str, Any] = reply.json()
         return result
@@ -176,9 +194,8 @@ class ControlSession:
 
     async def ledger_manifest(self, capture_key: str) -> dict[str, Any] | None:
         """The capture-ledger manifest of one attempt; ``None`` once its ledger is retired (410)."""
-        reply = await self._http.get(
-            self.cluster.url_of("model") + f"{LEDGER_PREFIX}/rollouts/{capture_key}/manifest",
-            headers=self._auth,
+        reply = await self._get(
+            self.cluster.url_of("model") + f"{LEDGER_PREFIX}/rollouts/{capture_key}/manifest"
         )
         if reply.status_code == 410:
             return None

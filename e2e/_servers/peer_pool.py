@@ -15,11 +15,23 @@ from typing import Final
 
 import httpx
 
+IDLE_EXPIRY_S: Final = 2.0
+"""Idle pooled connections are dropped after this, before uvicorn's keep-alive of 5 s closes them
+(the race below); every client of the reference deployment uses it (D371)."""
+
 PEER_POOL: Final = httpx.Limits(
-    max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0
+    max_connections=None, max_keepalive_connections=64, keepalive_expiry=IDLE_EXPIRY_S
 )
 """No cap on connections; 64 idle ones are kept for reuse, each for at most 2 s. uvicorn closes
 a connection idle for 5 s; with httpx's default of 5 s too, a client sometimes sent its request
 down a connection the server was closing and read nothing back (``ReadError('')``: 4 rollouts of
 1,000 in the first ``drill --rollouts 1000 --workers 2``). Expiring idle connections well before
 the server does removes that race."""
+
+CONTROLLER_POOL: Final = httpx.Limits(
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=IDLE_EXPIRY_S
+)
+"""A controller's own reads (a rollout's ledger manifest after its result, a server's status):
+httpx's default caps, with idle connections expiring as the data path's do. With httpx's default
+of 5 s, the drill's controller once died of ``RemoteProtocolError`` on a manifest read, 30 s into
+a baseline of 2,000 rollouts in flight (D371)."""

@@ -29,6 +29,7 @@ from protocols import (
 )
 
 from .._trace.propagation import TRACE_HOOKS
+from .peer_pool import IDLE_EXPIRY_S
 
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""
@@ -36,7 +37,10 @@ ABORT_TIMEOUT_SECONDS: Final = 30.0
 """An abort waits for a call's final staging at most; a worker that does not answer is down."""
 _log = structlog.get_logger("midflight.policy")
 
-CONTROL_POOL: Final = httpx.Limits(max_connections=8, max_keepalive_connections=4)
+CONTROL_POOL: Final = httpx.Limits(
+    max_connections=8, max_keepalive_connections=4, keepalive_expiry=IDLE_EXPIRY_S
+)
+"""The cut and abort requests' own pool; idle connections expire before the worker closes them."""
 CUT_REFUSED_STATUSES: Final = frozenset({400, 422})
 """Worker answers to a call carrying a cut that mean "not this cut": the call regenerates.
 

@@ -10,6 +10,7 @@ attempt then runs from its input again, repeating model calls. D192.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -287,3 +288,74 @@ async def test_a_commit_with_a_cut_but_no_delivered_call_is_abandoned_when_a_cra
         assert abandoned == [("ckpt-0-0", "no delivered call")]
     finally:
         await driver.http.aclose()
+
+
+async def test_a_refused_run_is_sent_again_after_pauses_that_grow(tmp_path: Path) -> None:
+    # D372: a fixed 50 ms made thousands of refused rollouts a flood at one environment.
+    import time
+
+    sent: list[float] = []
+
+    def on_run(request: httpx.Request) -> httpx.Response:
+        sent.append(time.monotonic())
+        if len(sent) <= 5:
+            return httpx.Response(409, json={"error": {"code": "admission_closed", "detail": ""}})
+        return httpx.Response(200, json={"failure": {"code": "x", "detail": "ended"}})
+
+    driver = _driver_with_environment(tmp_path, on_run, {})
+    try:
+        await driver.run_attempt("r1", 0)
+    finally:
+        await driver.http.aclose()
+    gaps = [later - earlier for earlier, later in itertools.pairwise(sent)]
+    assert len(gaps) == 5
+    assert gaps[0] < 0.2 and gaps[4] >= 0.4, (
+        gaps
+    )  # 50 ms times 0.5 to 1.5, then 800 ms times 0.5 to 1.5
+    assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_failed"]
+
+
+async def test_a_run_whose_connection_was_never_made_is_sent_again(tmp_path: Path) -> None:
+    # D372: a /run that never reached the environment runs nowhere, so the same attempt goes
+    # again; the controller died of httpx.ConnectTimeout at 2,000 rollouts in flight.
+    import asyncio
+    import socket
+
+    with socket.socket() as probe:  # a port with nothing listening on it, for now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        await reader.readexactly(length)
+        body = b'{"failure": {"code": "x", "detail": "ended"}}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nconnection: close\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    plan = DriverPlan(rollouts=["r1"], task_input={}, phase=0, checkpoints=0, crash_after=False)
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    driver.environment_url = lambda rollout: f"http://127.0.0.1:{port}"  # type: ignore[method-assign]
+    server: asyncio.Server | None = None
+    try:
+        attempt = asyncio.ensure_future(driver.run_attempt("r1", 0))
+        await asyncio.sleep(0.4)  # refused connections meanwhile, each sent again
+        assert not attempt.done()
+        server = await asyncio.start_server(answer, "127.0.0.1", port)
+        await asyncio.wait_for(attempt, 10)
+    finally:
+        await driver.http.aclose()
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+    assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_failed"]

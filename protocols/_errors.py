@@ -43,7 +43,9 @@ Exception tree::
     ├── StoreError (OSError)                      protocols: a checkpoint store request failed
     │   └── ObjectMissingError (FileNotFoundError) protocols: the key names no object
     ├── ContinuationRefused                       e2e: the worker refused a generation cut
-    ├── DrillStalledError (RuntimeError)          e2e: the drill stopped making progress
+    ├── DrillRunError (RuntimeError)              e2e: the drill could not run to its figures
+    │   ├── DrillBaselineError                    e2e: the baseline did not finish every rollout
+    │   └── DrillStalledError                     e2e: the drill stopped making progress
     ├── EngineError (ValueError)                  e2e: an engine unknown or not installed
     ├── PortInUseError (OSError)                  e2e: a serve port is taken or not permitted
     └── TokenSequenceError (ValueError)           e2e: a manifest's token chain does not hold

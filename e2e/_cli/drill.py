@@ -21,7 +21,7 @@ from .._drill.progress import DrillProgress, is_progress_line
 from .._drill.run import (
     FAULTS,
     DrillOptions,
-    DrillStalledError,
+    DrillRunError,
     check_baseline_dir,
     default_concurrency,
     run_drill,
@@ -359,7 +359,7 @@ def register(app: typer.Typer) -> None:
         except KeyboardInterrupt:
             discard = True  # stopped by its user, who did not ask to keep it
             raise
-        except DrillStalledError as exc:  # one line (or one JSON object), never a traceback
+        except DrillRunError as exc:  # stalled, or a baseline short: one line or JSON object
             message = f"{exc}; the run's files are kept in {work}"
             emit(
                 {"ok": False, "error": message, "failures": [str(exc)], "kept_dir": str(work)},

@@ -21,7 +21,7 @@ from typing import Any, Final
 from protocols import MidflightError
 
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
-from .._servers.evidence import EvidenceLog
+from .._servers.evidence import EvidenceLog, read_evidence
 from .._trace.setup import TRACE_DIR_ENV
 from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
@@ -46,8 +46,35 @@ RESTART_ENVIRONMENT: Final = "environment-restart"
 """The second agent (restart-only) and the environment that drives it."""
 
 
-class DrillStalledError(MidflightError, RuntimeError):
+class DrillRunError(MidflightError, RuntimeError):
+    """The drill could not run to its figures (one line for its user, never a traceback)."""
+
+
+class DrillStalledError(DrillRunError):
     """A phase's controller exited early or made no progress within the phase timeout."""
+
+
+class DrillBaselineError(DrillRunError):
+    """The baseline did not finish every rollout, so the run has nothing to be compared with."""
+
+
+def baseline_shortfall(directory: Path, finished: int, rollouts: int) -> str:
+    """Why a baseline in ``directory`` finished only ``finished`` of ``rollouts`` (D373)."""
+    failed = [
+        e
+        for e in read_evidence(directory / "evidence" / "driver.jsonl")
+        if e.get("event") == "run_failed"
+    ]
+    first = ""
+    if failed:
+        failure = failed[0].get("failure") or {}
+        code = failure.get("code") or failed[0].get("code") or f"HTTP {failed[0].get('status')}"
+        first = f" (the first: {code}: {failure.get('detail', '')})".replace(": )", ")")
+    return (
+        f"the baseline finished {finished:,} of {rollouts:,} rollouts; {len(failed):,} ended in "
+        f"a failure{first}. The servers could not carry this load, so there is nothing to "
+        "compare the run with: run fewer rollouts at once (--concurrency), or on more cores"
+    )
 
 
 MAX_DEFAULT_CONCURRENCY: Final = 256
@@ -330,6 +357,9 @@ def _baseline(
             hosting=cluster,
         )
     wall = round(time.monotonic() - started, 3)
+    finished = len(rollout_outcomes(directory))
+    if finished < options.rollouts:  # no marker: it is never reused, and is run again next time
+        raise DrillBaselineError(baseline_shortfall(directory, finished, options.rollouts))
     marker.write_text(json.dumps({"key": baseline_key(options), "wall_s": wall}))
     return wall
 

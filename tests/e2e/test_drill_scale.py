@@ -201,3 +201,42 @@ def test_a_stopped_controller_is_reported_with_its_exit_code_and_last_log_line(
         silent.process.kill()
         _close(silent)
         silent._log.close()
+
+
+def test_a_baseline_that_did_not_finish_every_rollout_fails_the_drill_and_is_never_reused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """D373: a rollout the baseline lost has no outcome to compare the run's with; the drill
+    compared only the others, and kept the short baseline for reuse. Here the cluster's run is
+    replaced by the evidence an overloaded one left: one result, one failure."""
+    from e2e._servers.evidence import EvidenceLog
+
+    def overloaded(root: Path, *args: Any, **kwargs: Any) -> None:
+        log = EvidenceLog(root / "evidence" / "driver.jsonl")
+        for rollout in ("r000", "r001"):
+            log.append({"event": "dispatch", "rollout": rollout, "attempt": 0, "t": 1.0})
+        log.append({"event": "result", "rollout": "r000", "attempt": 0, "reward": 0.5,
+                    "manifest": {"records": []}, "t": 2.0})  # fmt: skip
+        log.append({"event": "run_failed", "rollout": "r001", "attempt": 0, "status": 200,
+                    "code": None, "t": 3.0, "failure": {"code": "deadline_exceeded",
+                    "detail": "resources seed_session of r001 did not answer within 60 s"}})  # fmt: skip
+        log.append({"event": "final", "accepted": {"r000": {"attempt": 0, "reward": 0.5}},
+                    "leftover": {}, "t": 4.0})  # fmt: skip
+
+    monkeypatch.setattr("e2e._drill.run.run_cluster", overloaded)
+    baseline = tmp_path / "baseline"
+    args = [
+        "drill",
+        "--rollouts",
+        "2",
+        "--baseline",
+        str(baseline),
+        "--keep-dir",
+        str(tmp_path / "k"),
+    ]
+    result = CliRunner().invoke(build_app(), [*args, "--json"])
+    failed = json.loads(result.output.strip().splitlines()[-1])
+    assert result.exit_code == 1 and failed["ok"] is False, result.output
+    assert failed["error"].startswith("the baseline finished 1 of 2 rollouts; 1 ended in a failure")
+    assert "deadline_exceeded: resources seed_session of r001" in failed["error"]
+    assert not (baseline / "baseline.json").exists()  # never reused as a finished baseline

@@ -18,13 +18,19 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
-from protocols import MidflightError
-
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
-from .._servers.evidence import EvidenceLog, read_evidence
+from .._servers.evidence import EvidenceLog
 from .._trace.setup import TRACE_DIR_ENV
+from .baseline import (
+    BASELINE_MARKER,
+    BASELINE_STARTED,
+    baseline_shortfall,
+    check_baseline_dir,
+    finished_baseline,
+)
 from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
+from .errors import DrillBaselineError, DrillStalledError
 from .hosting import ClusterHosting, DrillHosting, drill_hosting
 from .oracle import Figures, RolloutOutcome, compute_figures, rollout_outcomes
 from .store import DISK, DrillStore, drill_store
@@ -44,37 +50,6 @@ continue-without-prefix: on a model engine, and ``token_mismatches`` on the dete
 RESTART_AGENT: Final = "agent-restart"
 RESTART_ENVIRONMENT: Final = "environment-restart"
 """The second agent (restart-only) and the environment that drives it."""
-
-
-class DrillRunError(MidflightError, RuntimeError):
-    """The drill could not run to its figures (one line for its user, never a traceback)."""
-
-
-class DrillStalledError(DrillRunError):
-    """A phase's controller exited early or made no progress within the phase timeout."""
-
-
-class DrillBaselineError(DrillRunError):
-    """The baseline did not finish every rollout, so the run has nothing to be compared with."""
-
-
-def baseline_shortfall(directory: Path, finished: int, rollouts: int) -> str:
-    """Why a baseline in ``directory`` finished only ``finished`` of ``rollouts`` (D373)."""
-    failed = [
-        e
-        for e in read_evidence(directory / "evidence" / "driver.jsonl")
-        if e.get("event") == "run_failed"
-    ]
-    first = ""
-    if failed:
-        failure = failed[0].get("failure") or {}
-        code = failure.get("code") or failed[0].get("code") or f"HTTP {failed[0].get('status')}"
-        first = f" (the first: {code}: {failure.get('detail', '')})".replace(": )", ")")
-    return (
-        f"the baseline finished {finished:,} of {rollouts:,} rollouts; {len(failed):,} ended in "
-        f"a failure{first}. The servers could not carry this load, so there is nothing to "
-        "compare the run with: run fewer rollouts at once (--concurrency), or on more cores"
-    )
 
 
 MAX_DEFAULT_CONCURRENCY: Final = 256
@@ -265,44 +240,6 @@ def run_cluster(
                 supervisor.restart_all()
 
 
-BASELINE_MARKER = "baseline.json"
-"""Written into a baseline directory once its run finished: what its outcomes depend on."""
-BASELINE_STARTED = "baseline-started"
-"""Written into a baseline directory before its run starts: a drill may remove what it holds."""
-
-
-def check_baseline_dir(directory: Path) -> None:
-    """Refuse a baseline directory the drill could neither reuse nor remove (D369).
-
-    Raises:
-        ValueError: ``directory`` is a file or a link, holds a torn ``baseline.json``, or holds
-            files no drill wrote (an unfinished baseline is removed and run again whole).
-    """
-    if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise ValueError(f"--baseline {directory} is not a directory")
-    if not directory.exists():
-        return
-    if (directory / BASELINE_MARKER).exists():
-        _finished_baseline(directory / BASELINE_MARKER)
-    elif not (directory / BASELINE_STARTED).exists() and any(directory.iterdir()):
-        raise ValueError(
-            f"--baseline {directory} holds files that are no drill's baseline: name a new or "
-            "empty directory"
-        )
-
-
-def _finished_baseline(marker: Path) -> dict[str, Any]:
-    """The finished baseline's record; ValueError when it is not one this drill wrote."""
-    try:
-        recorded = json.loads(marker.read_text())
-        if isinstance(recorded, dict) and {"key", "wall_s"} <= recorded.keys():
-            float(recorded["wall_s"])
-            return recorded
-    except (OSError, ValueError, TypeError):  # unreadable, not JSON, or of the wrong shape
-        pass
-    raise ValueError(f"{marker} is not a finished baseline's record: remove it, or name another")
-
-
 def baseline_key(options: DrillOptions) -> dict[str, Any]:
     """The options a baseline's outcomes (tokens, rewards) depend on; the rest only change timing.
 
@@ -332,7 +269,7 @@ def _baseline(
     """Run the baseline into ``directory`` (or reuse a finished one); its wall time."""
     marker = directory / BASELINE_MARKER
     if reuse and marker.exists():
-        recorded = _finished_baseline(marker)
+        recorded = finished_baseline(marker)
         if recorded["key"] != baseline_key(options):
             raise ValueError(
                 f"the baseline in {directory} was run with {recorded['key']}, "

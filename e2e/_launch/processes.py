@@ -22,7 +22,7 @@ import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 import anyio
 import structlog
@@ -43,6 +43,7 @@ from participants import (
 )
 
 from .._servers.context import HOST, ServeContext, control_settings
+from .._servers.peer_pool import SERVER_KEEP_ALIVE_S
 from .hosting import announce_listening, on_main_thread, serve_argv
 from .lifeline import Lifeline
 from .routing import ShardRouting
@@ -82,8 +83,19 @@ def run_shard(app: FastAPI, ctx: ServeContext) -> None:
     app.router.lifespan_context = lifespan
     routed = ShardRouting(app, shard=shard, slot=slot, peers=peers, token=ctx.control_token)
     # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
-    config = uvicorn.Config(BodyLimit(routed), log_level="warning", access_log=False, lifespan="on")
-    uvicorn.Server(config).run(sockets=[shared, private])
+    uvicorn.Server(server_config(BodyLimit(routed), lifespan="on")).run(sockets=[shared, private])
+
+
+def server_config(app: Any, *, lifespan: Literal["auto", "on", "off"]) -> uvicorn.Config:
+    """uvicorn's configuration of every reference server and shard: quiet, and an idle
+    connection kept for ``SERVER_KEEP_ALIVE_S``, far past any client's pool expiry (D374)."""
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        access_log=False,
+        lifespan=lifespan,
+        timeout_keep_alive=SERVER_KEEP_ALIVE_S,
+    )
 
 
 def run_fanout(app: FastAPI, ctx: ServeContext) -> None:

@@ -19,7 +19,7 @@ import uvicorn
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
 from .._trace.setup import configure_tracing
 from .hosting import announce_listening
-from .processes import is_shard_process, run_fanout, run_shard
+from .processes import is_shard_process, run_fanout, run_shard, server_config
 from .sockets import PortInUseError, bind_listening_socket
 
 
@@ -88,5 +88,4 @@ def run_server(app: Any, options: ServeContext | int, *, role: str = "server") -
         _refuse_port(exc)
     with sock:
         announce_listening(f"http://{HOST}:{sock.getsockname()[1]}")
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="auto")
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(server_config(app, lifespan="auto")).run(sockets=[sock])

@@ -16,8 +16,14 @@ from typing import Final
 import httpx
 
 IDLE_EXPIRY_S: Final = 2.0
-"""Idle pooled connections are dropped after this, before uvicorn's keep-alive of 5 s closes them
-(the race below); every client of the reference deployment uses it (D371)."""
+"""Idle pooled connections are dropped after this, before a server's keep-alive closes them (the
+race below); every client of the reference deployment uses it (D371)."""
+
+SERVER_KEEP_ALIVE_S: Final = 30
+"""How long a reference server keeps an idle connection open (uvicorn's default is 5 s). A client
+drops its idle connections after ``IDLE_EXPIRY_S``, but a process whose event loop is starved
+may send a request seconds after it took the connection from its pool: at 2,000 rollouts in
+flight on two cores, two episodes ended in ``ReadError('')`` with a 5 s keep-alive (D374)."""
 
 PEER_POOL: Final = httpx.Limits(
     max_connections=None, max_keepalive_connections=64, keepalive_expiry=IDLE_EXPIRY_S

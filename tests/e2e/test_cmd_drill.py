@@ -20,7 +20,7 @@ def nothing_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in (
         "e2e._cli.drill.run_drill",
-        "e2e._cli.drill.run_matrix",
+        "e2e._cli.drill_matrix.run_matrix",
         "e2e._cli.drill_sequences.run_sequences",
     ):
         monkeypatch.setattr(name, ran)

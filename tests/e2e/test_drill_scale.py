@@ -15,7 +15,8 @@ from typer.testing import CliRunner
 
 from e2e._cli.app import build_app
 from e2e._drill.driver_process import DriverProcess
-from e2e._drill.run import DrillStalledError, default_concurrency
+from e2e._drill.errors import DrillStalledError
+from e2e._drill.run import default_concurrency
 
 
 def test_large_drills_run_a_quarter_of_their_rollouts_at_once() -> None:
@@ -156,7 +157,7 @@ def test_a_matrix_with_a_red_cell_keeps_its_directory(
         runs.append(work)
         return [MatrixCell("controller", "checkpoint-json-written", ok, "" if ok else "lost 1")]
 
-    monkeypatch.setattr("e2e._cli.drill.run_matrix", run)
+    monkeypatch.setattr("e2e._cli.drill_matrix.run_matrix", run)
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     result = CliRunner().invoke(build_app(), ["drill", "--matrix", "small", "--json"])
     assert result.exit_code == (0 if ok else 1), result.output

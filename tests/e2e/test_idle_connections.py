@@ -154,3 +154,41 @@ async def test_the_drill_s_controller_reads_on_a_fresh_connection_and_resends_a_
             assert (server.answered, server.dropped) == (4, 1)
         finally:
             await session._http.aclose()
+
+
+def test_a_reference_server_keeps_an_idle_connection_well_past_five_seconds() -> None:
+    """D374: the server's side of the margin. uvicorn's own default (5 s) would have closed this
+    connection before its second request; the reference servers keep it for 30 s."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    from e2e._launch.processes import server_config
+
+    async def app(scope: dict[str, object], receive: object, send: object) -> None:
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+        await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen()
+    server = uvicorn.Server(server_config(app, lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        port = listening.getsockname()[1]
+        request = f"GET / HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
+            connection.sendall(request)
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+            time.sleep(6.0)  # idle past uvicorn's default keep-alive
+            connection.sendall(request)
+            assert connection.recv(4096).startswith(b"HTTP/1.1 200")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        listening.close()

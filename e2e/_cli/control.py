@@ -10,117 +10,38 @@ operations show a progress spinner on stderr (never on stdout, which ``--json`` 
 
 from __future__ import annotations
 
-import json
-import os
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager, nullcontext
 from pathlib import Path
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any
 
 import anyio
 import typer
 from rich.live import Live
-from rich.markup import escape
 
 from coordinator import (
-    CoordinationError,
-    Coordinator,
-    PublicationConflictError,
     checkpoint,
     checkpoint_location,
-    discover,
     read_checkpoint,
     read_latest,
 )
-from protocols import EpisodeId, WireError, validate_rollout_ids
+from protocols import WireError, validate_rollout_ids
 
-from .._servers.cluster import Cluster, read_cluster
-from .._servers.context import CONTROL_TOKEN_ENV
+from .._servers.cluster import Cluster
+from .control_session import (
+    EXIT_BLOCKED,
+    EXIT_FAILED,
+    ClusterOption,
+    DeadlineOption,
+    control_token,
+    coordinator_over,
+    episodes_of,
+    load_cluster,
+    read_scope,
+    run_operation,
+)
 from .locations import store_failed
-from .output import JsonOption, console, counted, emit, error_console, usage_error
-from .status_table import CONTROL_DISABLED, answered, participant_rows, status_table
-
-T = TypeVar("T")
-PARTICIPANT_ROLES: Final = ("environment", "model", "agent", "resources")
-EXIT_FAILED: Final = 1
-EXIT_BLOCKED: Final = 3
-"""``checkpoint`` exit code when blockers remained (nothing published, everyone resumed)."""
-
-ClusterOption = Annotated[
-    Path, typer.Option("--cluster", help="The cluster file (TOML).", exists=True, dir_okay=False)
-]
-DeadlineOption = Annotated[
-    float, typer.Option("--deadline", min=0.1, help="Seconds the operation may take.")
-]
-
-
-def _token() -> str:
-    token = os.environ.get(CONTROL_TOKEN_ENV, "")
-    if not token:
-        usage_error(f"set {CONTROL_TOKEN_ENV} to the control token")
-    return token
-
-
-def _load(path: Path) -> Cluster:
-    try:
-        return read_cluster(path)
-    except ValueError as exc:
-        usage_error(str(exc))
-
-
-def participant_urls(cluster: Cluster) -> list[str]:
-    """URLs of every server of a participant role, in file order."""
-    return [server.url for server in cluster.servers if server.role in PARTICIPANT_ROLES]
-
-
-@asynccontextmanager
-async def _coordinator(cluster: Cluster, token: str) -> AsyncIterator[Coordinator]:
-    try:
-        members = await discover(participant_urls(cluster), token=token)
-    except CoordinationError as exc:
-        if "deployment" not in exc.failures:
-            raise
-        disabled = await _without_control_routes(cluster, token)
-        if not disabled:
-            raise
-        detail = f"{exc.failures['deployment']}; {CONTROL_DISABLED} on {', '.join(disabled)}"
-        raise CoordinationError("discover", {"deployment": detail}) from exc
-    found = {member.url.rstrip("/") for member in members}
-    for server in cluster.servers:
-        if server.role in PARTICIPANT_ROLES and server.url.rstrip("/") not in found:
-            # A listed participant that answers without control routes is left out: say so.
-            error_console.print(
-                f"[yellow]warning[/yellow]: {escape(server.name)}: {CONTROL_DISABLED} (served "
-                f"without {CONTROL_TOKEN_ENV}); it takes no part",
-                soft_wrap=True,
-            )
-    async with Coordinator(members) as coordinator:
-        yield coordinator
-
-
-async def _without_control_routes(cluster: Cluster, token: str) -> list[str]:
-    rows = await participant_rows(cluster, token)
-    return [row["server"] for row in rows if row.get("control_routes") == "disabled"]
-
-
-def _run(what: str, as_json: bool, work: Callable[[], Coroutine[Any, Any, T]]) -> T:
-    """Run ``work`` with a spinner; a coordination failure becomes a precise message and exit 1."""
-    spinner = error_console.status(what, spinner="dots") if not as_json else nullcontext()
-    try:
-        with spinner:
-            return anyio.run(work)
-    except (CoordinationError, WireError, PublicationConflictError, OSError) as exc:
-        # OSError: the checkpoint store failed (protocols.StoreError), not a participant
-        failures = getattr(exc, "failures", {})
-        message = str(exc)
-        payload = {"ok": False, "error": message, "failures": failures}
-        emit(
-            payload,
-            as_json=as_json,
-            render=lambda: error_console.print(f"[red]failed[/red]: {message}"),
-        )
-        raise typer.Exit(EXIT_FAILED) from None
+from .output import JsonOption, console, counted, emit, usage_error
+from .status_table import answered, participant_rows, status_table
 
 
 def _watch_json(cluster: Cluster, token: str, every: float, rows: list[dict[str, Any]]) -> None:
@@ -133,25 +54,6 @@ def _watch_json(cluster: Cluster, token: str, every: float, rows: list[dict[str,
             rows = anyio.run(participant_rows, cluster, token)
     except KeyboardInterrupt:
         return
-
-
-def _episodes(keys: list[str]) -> list[EpisodeId]:
-    try:
-        return [EpisodeId.from_capture_key(key) for key in keys]
-    except (WireError, ValueError) as exc:
-        usage_error(str(exc))
-
-
-def _read_scope(path: Path | None) -> list[EpisodeId] | None:
-    if path is None:
-        return None
-    try:
-        keys = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        usage_error(f"cannot read scope file {path}: {exc}")
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
-        usage_error(f"{path}: the scope is a JSON array of capture keys")
-    return _episodes(keys)
 
 
 def register(app: typer.Typer) -> None:
@@ -176,8 +78,8 @@ def register(app: typer.Typer) -> None:
         Exits 1 when no participant answered (every server unreachable or without control
         routes), else 0.
         """
-        servers = _load(cluster)
-        token = _token()
+        servers = load_cluster(cluster)
+        token = control_token()
         rows = anyio.run(participant_rows, servers, token)
         if watch <= 0:
             emit(
@@ -208,13 +110,13 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Prepare, commit, publish and resume; report blockers when some remain."""
-        servers = _load(cluster)
-        token = _token()
-        episodes = _read_scope(scope)
+        servers = load_cluster(cluster)
+        token = control_token()
+        episodes = read_scope(scope)
         chosen = checkpoint_id or f"ckpt-{int(time.time() * 1000)}"
 
         async def work() -> Any:
-            async with _coordinator(servers, token) as coordinator:
+            async with coordinator_over(servers, token) as coordinator:
                 return await checkpoint(
                     coordinator,
                     servers.store_root,
@@ -223,7 +125,7 @@ def register(app: typer.Typer) -> None:
                     episodes=episodes,
                 )
 
-        outcome = _run(f"checkpoint {chosen}…", as_json, work)
+        outcome = run_operation(f"checkpoint {chosen}…", as_json, work)
         payload = {
             "ok": outcome.published,
             "checkpoint_id": chosen,
@@ -262,8 +164,8 @@ def register(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Restore a published checkpoint everywhere, all or nothing."""
-        servers = _load(cluster)
-        token = _token()
+        servers = load_cluster(cluster)
+        token = control_token()
         store_root = servers.store_root
         try:
             manifest = read_checkpoint(store_root, source) if source else read_latest(store_root)
@@ -277,7 +179,7 @@ def register(app: typer.Typer) -> None:
         directory = checkpoint_location(store_root, manifest.checkpoint_id)
 
         async def work() -> list[str]:
-            async with _coordinator(servers, token) as coordinator:
+            async with coordinator_over(servers, token) as coordinator:
                 replies = await coordinator.restore(
                     operation, time.time() + deadline, directory, manifest.continued
                 )
@@ -285,7 +187,7 @@ def register(app: typer.Typer) -> None:
                     await coordinator.resume(operation, time.time() + deadline)
                 return sorted({key for reply in replies.values() for key in reply.restored})
 
-        restored = _run(f"restore {manifest.checkpoint_id}…", as_json, work)
+        restored = run_operation(f"restore {manifest.checkpoint_id}…", as_json, work)
         payload = {
             "ok": True,
             "checkpoint_id": manifest.checkpoint_id,
@@ -314,14 +216,14 @@ def _simple(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Reopen admission everywhere (aborts an unpublished checkpoint)."""
-        servers, token = _load(cluster), _token()
+        servers, token = load_cluster(cluster), control_token()
 
         async def work() -> dict[str, bool]:
-            async with _coordinator(servers, token) as coordinator:
+            async with coordinator_over(servers, token) as coordinator:
                 replies = await coordinator.resume(checkpoint_id, time.time() + deadline)
                 return {name: reply.idempotent for name, reply in replies.items()}
 
-        replies = _run(f"resume {checkpoint_id}…", as_json, work)
+        replies = run_operation(f"resume {checkpoint_id}…", as_json, work)
         # An idempotent reply reopened nothing: the id was never open there, or already resumed.
         resumed = sorted(name for name, idempotent in replies.items() if not idempotent)
         untouched = sorted(name for name, idempotent in replies.items() if idempotent)
@@ -357,15 +259,15 @@ def _simple(app: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Refuse, stop and free these attempts (and every earlier one) everywhere."""
-        servers, token = _load(cluster), _token()
-        episodes = _episodes(keys)  # all validated before anything is sent
+        servers, token = load_cluster(cluster), control_token()
+        episodes = episodes_of(keys)  # all validated before anything is sent
         operation = checkpoint_id or f"retire-{int(time.time() * 1000)}"
 
         async def work() -> list[str]:
-            async with _coordinator(servers, token) as coordinator:
+            async with coordinator_over(servers, token) as coordinator:
                 return sorted(await coordinator.retire(operation, time.time() + deadline, episodes))
 
-        names = _run("retire…", as_json, work)
+        names = run_operation("retire…", as_json, work)
         emit(
             {"ok": True, "retired": [e.capture_key for e in episodes], "participants": names},
             as_json=as_json,
@@ -387,15 +289,15 @@ def _simple(app: typer.Typer) -> None:
             validate_rollout_ids(rollout_ids)  # before any server is asked
         except (WireError, TypeError) as exc:
             usage_error(str(exc))
-        servers, token = _load(cluster), _token()
+        servers, token = load_cluster(cluster), control_token()
         operation = checkpoint_id or f"forget-{int(time.time() * 1000)}"
 
         async def work() -> list[str]:
-            async with _coordinator(servers, token) as coordinator:
+            async with coordinator_over(servers, token) as coordinator:
                 replies = await coordinator.forget(operation, time.time() + deadline, rollout_ids)
                 return sorted(replies)
 
-        names = _run("forget…", as_json, work)
+        names = run_operation("forget…", as_json, work)
         emit(
             {"ok": True, "forgotten": sorted(set(rollout_ids)), "participants": names},
             as_json=as_json,

@@ -19,12 +19,11 @@ from rich.text import Text
 
 from coordinator import ControlClient, NotAParticipantError
 
-from .._servers.cluster import Cluster
+from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 
 PROBE_SECONDS: Final = 5.0
 """An operator waits this long for one server; a hung one shows as unreachable, not a hang."""
 SHOWN_BLOCKERS: Final = 3
-PARTICIPANT_ROLES: Final = ("environment", "model", "agent", "resources")
 CONTROL_DISABLED: Final = "control routes disabled"
 
 

@@ -31,12 +31,11 @@ from participants import live_ledger_keys
 from participants.testing import KillPoint
 from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
 
-from .._servers.cluster import Cluster
+from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
 LEDGER_PREFIX = "/training-token-capture/control"
-PARTICIPANT_ROLES = ("environment", "model", "agent", "resources")
 OPERATION_SECONDS = 30.0
 
 
@@ -207,7 +206,7 @@ class ControlSession:
         """What is still alive at the end: phases, marks, fences, live work, finished ledgers."""
         left: dict[str, int] = {}
         for role in PARTICIPANT_ROLES:
-            for server in self.cluster.by_role(role):  # type: ignore[arg-type]
+            for server in self.cluster.by_role(role):
                 status = await self._status(server.url)
                 counts = status["report"]["counts"]
                 live = sum(

@@ -22,6 +22,8 @@ from protocols import is_object_store_url, split_s3_url
 
 Role = Literal["environment", "agent", "resources", "model", "worker"]
 ROLES: Final[tuple[Role, ...]] = ("worker", "model", "resources", "agent", "environment")
+PARTICIPANT_ROLES: Final[tuple[Role, ...]] = ("environment", "model", "agent", "resources")
+"""The roles that are participants (the worker is not), in the order the operator commands list them."""
 """Every role, in start-up (dependency) order."""
 
 DEFAULT_NAMES: Final[dict[Role, str]] = {

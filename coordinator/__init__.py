@@ -12,6 +12,8 @@
 - :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
   clean-up of what was published;
 - :class:`LedgerClient`: the client of a model server's capture-ledger routes;
+- ``IDLE_CONNECTION_EXPIRY_S``: how long every midflight client keeps an idle connection (2 s, under
+  any server's keep-alive), for a controller that builds its own ``httpx`` pools;
 - :func:`discover_on_ray` / :func:`hosted_on_ray`: the participants hosted as named actors in a
   Ray namespace (:class:`HostedServer`, answered by each actor's ``describe``);
 - :func:`checkpoint_trace`: one checkpoint as one OpenTelemetry trace, for a controller that
@@ -43,6 +45,7 @@ from ._publish import (
 )
 from ._ray import DESCRIBE_METHOD, HostedServer, discover_on_ray, hosted_on_ray
 from ._retention import GcReport, collect_garbage, is_pinned, pin_checkpoint, unpin_checkpoint
+from ._retry import IDLE_CONNECTION_EXPIRY_S
 from ._tracing import CheckpointTrace, checkpoint_trace
 from ._verify import verify_checkpoint
 
@@ -50,6 +53,7 @@ __all__ = [
     "CHECKPOINTS_SUBDIR",
     "CHECKPOINT_FILE",
     "DESCRIBE_METHOD",
+    "IDLE_CONNECTION_EXPIRY_S",
     "LATEST_FILE",
     "CheckpointManifest",
     "CheckpointOutcome",

@@ -100,6 +100,7 @@ PUBLIC = {
         # the participants hosted on Ray, found from Ray (D338)
         "DESCRIBE_METHOD", "HostedServer", "discover_on_ray", "hosted_on_ray",
         "is_pinned",  # what `pin` tells its user it changed (D367)
+        "IDLE_CONNECTION_EXPIRY_S",  # one figure for every client's idle connections (D375)
     ],
     "e2e": [
         "build_app", "main",

@@ -21,9 +21,17 @@ from typing import Any
 
 from .._launch.lifeline import Lifeline
 
+ACTIVITY_POLL_S = 5.0
+"""How often a silent phase looks at ``activity`` again."""
+
 
 class DriverProcess:
     """One controller incarnation as its own process group, spoken to through stdout lines."""
+
+    output_ended = False
+    """Whether the controller closed its output (it ended, or is about to)."""
+    silence = "it printed nothing"
+    """What a stall means, for :meth:`why_it_stopped`."""
 
     def __init__(
         self,
@@ -79,6 +87,7 @@ class DriverProcess:
                     continue
                 chunk = os.read(self.process.stdout.fileno(), 4096)
                 if not chunk:
+                    self.output_ended = True
                     return
                 self._buffer += chunk
 
@@ -86,18 +95,38 @@ class DriverProcess:
         """Read lines until one equals ``word`` (True) or the process ends or times out (False)."""
         return any(text == word for text in self.lines(timeout, on_line))
 
-    def wait_for_progressing(self, word: str, stall: float, on_line: Callable[[str], None]) -> bool:
-        """:meth:`wait_for`, but ``stall`` bounds the silence between two lines, not the whole
-        wait: a phase of a thousand rollouts may take long while it keeps printing progress."""
-        while True:
-            read = False
-            for text in self.lines(stall, on_line):
+    def wait_for_progressing(
+        self,
+        word: str,
+        stall: float,
+        on_line: Callable[[str], None],
+        activity: Callable[[], object] | None = None,
+    ) -> bool:
+        """:meth:`wait_for`, but ``stall`` bounds the silence, not the whole wait: a phase of a
+        thousand rollouts may take long while it keeps moving.
+
+        A line from the controller ends a silence, and so does a change in ``activity()`` (the
+        servers' evidence growing, D375): with thousands in flight at once every rollout may be
+        mid-episode for minutes, no rollout finishing and the controller printing nothing,
+        while every model call still leaves its evidence line.
+        """
+        if activity is not None:
+            self.silence = "it printed nothing and no server's evidence grew"
+        quiet_since = time.monotonic()
+        seen = activity() if activity is not None else None
+        while (left := quiet_since + stall - time.monotonic()) > 0:
+            poll = left if activity is None else min(left, ACTIVITY_POLL_S)
+            for text in self.lines(poll, on_line):
                 if text == word:
                     return True
-                read = True
-                break  # a line came: the next one gets a whole stall again
-            if not read:
-                return False  # silent for the whole stall, or the process ended
+                quiet_since = time.monotonic()  # a line came: a whole stall again
+                break
+            else:
+                if self.output_ended:
+                    return False  # the controller ended without the word
+                if activity is not None and (now := activity()) != seen:
+                    seen, quiet_since = now, time.monotonic()
+        return False
 
     def why_it_stopped(self, stall: float) -> str:
         """Why :meth:`wait_for_progressing` gave up: the exit code and the last line of the
@@ -107,7 +136,7 @@ class DriverProcess:
         except subprocess.TimeoutExpired:
             code = None
         if code is None:
-            return f"it printed nothing for {stall:g} s"
+            return f"{self.silence} for {stall:g} s"
         last = _last_line(Path(self._log.name))
         return f"it exited with code {code}" + (f", its log ending {last!r}" if last else "")
 

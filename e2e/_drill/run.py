@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
 import shutil
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions
-from .._servers.evidence import EvidenceLog
+from .._servers.evidence import EvidenceLog, evidence_written
 from .._trace.setup import TRACE_DIR_ENV
 from .baseline import (
     BASELINE_MARKER,
@@ -224,7 +225,10 @@ def run_cluster(
             driver = DriverProcess(root, supervisor.cluster_path, plan, {**env, **hosting.env})
             try:
                 word = "crash-point" if crash_after else "done"
-                if not driver.wait_for_progressing(word, options.phase_timeout_s, on_line):
+                moving = functools.partial(evidence_written, root)
+                if not driver.wait_for_progressing(
+                    word, options.phase_timeout_s, on_line, activity=moving
+                ):
                     raise DrillStalledError(
                         f"the drill's controller did not reach {word!r} in phase {phase}: "
                         f"{driver.why_it_stopped(options.phase_timeout_s)} (its log is "

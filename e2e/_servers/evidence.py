@@ -59,3 +59,20 @@ def read_evidence(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return events
+
+
+def evidence_written(root: Path) -> int:
+    """How many bytes of evidence the run under ``root`` has written so far, every server and
+    controller together; it grows with each model call, dispatch and result (a drill's sign of
+    life, D375). 0 before the first line."""
+    total = 0
+    try:
+        with os.scandir(root / "evidence") as entries:
+            for entry in entries:
+                try:
+                    total += entry.stat().st_size
+                except FileNotFoundError:
+                    continue  # removed between listing and looking
+    except FileNotFoundError:
+        return 0
+    return total

@@ -15,9 +15,11 @@ from typing import Final
 
 import httpx
 
-IDLE_EXPIRY_S: Final = 2.0
-"""Idle pooled connections are dropped after this, before a server's keep-alive closes them (the
-race below); every client of the reference deployment uses it (D371)."""
+from coordinator import IDLE_CONNECTION_EXPIRY_S as IDLE_EXPIRY_S
+
+# Idle pooled connections are dropped after IDLE_EXPIRY_S, before a server's keep-alive closes
+# them (the race below): every client of the reference deployment and the coordinator's own use
+# the one figure (D371).
 
 SERVER_KEEP_ALIVE_S: Final = 30
 """How long a reference server keeps an idle connection open (uvicorn's default is 5 s). A client

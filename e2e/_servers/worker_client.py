@@ -14,6 +14,7 @@ from typing import Any, Final
 import httpx
 import structlog
 
+from coordinator import IDLE_CONNECTION_EXPIRY_S as IDLE_EXPIRY_S
 from protocols import (
     ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
@@ -29,7 +30,6 @@ from protocols import (
 )
 
 from .._trace.propagation import TRACE_HOOKS
-from .peer_pool import IDLE_EXPIRY_S
 
 WORKER_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
 """A generation may be held through a checkpoint on its way back; connecting must be quick."""

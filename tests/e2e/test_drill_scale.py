@@ -17,6 +17,7 @@ from e2e._cli.app import build_app
 from e2e._drill.driver_process import DriverProcess
 from e2e._drill.errors import DrillStalledError
 from e2e._drill.run import default_concurrency
+from e2e._servers.evidence import evidence_written
 
 
 def test_large_drills_run_a_quarter_of_their_rollouts_at_once() -> None:
@@ -241,3 +242,51 @@ def test_a_baseline_that_did_not_finish_every_rollout_fails_the_drill_and_is_nev
     assert failed["error"].startswith("the baseline finished 1 of 2 rollouts; 1 ended in a failure")
     assert "deadline_exceeded: resources seed_session of r001" in failed["error"]
     assert not (baseline / "baseline.json").exists()  # never reused as a finished baseline
+
+
+def test_a_silent_controller_is_no_stall_while_the_servers_evidence_grows(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """D375: thousands in flight at once may finish nothing for minutes while every model call
+    still writes its evidence line; that growth ends a silence as a line does."""
+    monkeypatch.setattr("e2e._drill.driver_process.ACTIVITY_POLL_S", 0.1)
+    evidence = tmp_path / "evidence"
+    assert evidence_written(tmp_path) == 0  # before the directory exists
+    evidence.mkdir()
+    calls = evidence / "worker.jsonl"
+
+    def growing() -> int:
+        with calls.open("a") as handle:  # a model call lands on each look
+            handle.write('{"event":"generation"}\n')
+        return evidence_written(tmp_path)
+
+    script = "import time\nprint('progress 0/1')\ntime.sleep(2.5)\nprint('done')"
+    moving = _printing(script)
+    try:  # silent for 2.5 s against a stall of 1 s: carried by the evidence alone
+        assert moving.wait_for_progressing("done", 1.0, lambda line: None, activity=growing)
+    finally:
+        _close(moving)
+    assert evidence_written(tmp_path) == calls.stat().st_size > 0
+    unaided = _printing(script)
+    try:  # the same controller with nothing else to watch stalls, as before D375
+        assert not unaided.wait_for_progressing("done", 1.0, lambda line: None)
+    finally:
+        unaided.process.kill()
+        _close(unaided)
+    still = _printing("import time\nprint('progress 0/1')\ntime.sleep(30)")
+    try:  # evidence that stops growing is a stall, and the line says what was watched
+        frozen = evidence_written(tmp_path)
+        assert not still.wait_for_progressing(
+            "done", 1.0, lambda line: None, activity=lambda: frozen
+        )
+        assert still.why_it_stopped(1.0).startswith("it printed nothing and no server's evidence")
+    finally:
+        still.process.kill()
+        _close(still)
+    ended = _printing("print('progress 0/1')")
+    started = time.monotonic()
+    try:  # a controller that ended is reported at once, however busy the servers look
+        assert not ended.wait_for_progressing("done", 30, lambda line: None, activity=growing)
+        assert time.monotonic() - started < 10
+    finally:
+        _close(ended)

@@ -1,10 +1,9 @@
 """The restore benchmark, and the crash-restore cycle the scale suite reuses.
 
-A cycle parks N rollouts on an in-process cluster, takes one published checkpoint, and "crashes":
-the whole cluster is dropped (its rollouts cancelled, nothing retired or drained) and a fresh one
-starts on the same run root — new apps that have served nothing, as fresh processes would be.
-The dropped cluster is collected before the restore, as a dead process's memory would be gone.
-The controller reads ``LATEST`` and restores every continued episode; the time from sending
+A cycle parks N rollouts on an in-process cluster in a child process, takes one published
+checkpoint, and crashes: the child is SIGKILLed (its rollouts cancelled, nothing retired or
+drained), and a fresh cluster starts on the same run root in the bench's own process, which has
+served nothing, as a restore's processes always have (D19, D376). The controller reads ``LATEST`` and restores every continued episode; the time from sending
 restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
 the same bytes elsewhere, one fsync per file (``floor_s``); ``ratio`` = ``restore_s / floor_s``;
 ``us_per_rollout`` is ``restore_s`` per rollout, and the suite adds the slope between sizes.
@@ -16,7 +15,6 @@ with a result, for any reason (not exported, not restored, failed).
 
 from __future__ import annotations
 
-import gc
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -28,9 +26,10 @@ import anyio
 from coordinator import checkpoint_directory, read_latest
 from protocols import EpisodeId
 
-from .checkpoint import PARKED_WORKLOAD, park, take_checkpoint
+from .checkpoint import PARKED_WORKLOAD
 from .common import PARKING, InProcessCluster, Workload, files_under, median, ratio, stage
 from .common import write_floor as write_same_bytes
+from .crashed_cluster import park_and_crash
 from .growth import add_growth, us_per_rollout
 
 SIZES: Final = (100, 1000, 4000)
@@ -54,23 +53,6 @@ def records_bytes(directory: Path) -> int:
     return sum(path.stat().st_size for path in directory.rglob("records-*.jsonl"))
 
 
-async def _park_and_crash(
-    run_root: Path, episodes: list[EpisodeId], parked: Workload
-) -> tuple[float, dict[str, Any]]:
-    """Park the rollouts on a first cluster, checkpoint them, and drop the cluster whole."""
-    started = time.perf_counter()
-    first = InProcessCluster(run_root, parked)
-    async with first.running(), anyio.create_task_group() as group:
-        who = f"{len(episodes):,} rollouts"
-        stage(f"{who} · parking")
-        await park(first, len(episodes), group, within_s=max(120.0, len(episodes) * 0.05))
-        park_s = time.perf_counter() - started
-        stage(f"{who} · checkpoint before the crash")
-        taken = await take_checkpoint(first, "before-crash", episodes)
-        group.cancel_scope.cancel()  # the crash: every rollout of this incarnation is gone
-    return park_s, taken
-
-
 async def crash_restore_cycle(
     root: Path,
     rollouts: int,
@@ -84,10 +66,8 @@ async def crash_restore_cycle(
     run_root = root / "run"
     episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
     who = f"{rollouts:,} rollouts"
-    park_s, taken = await _park_and_crash(run_root, episodes, parked)
-    # A crashed process leaves nothing in memory: collect the dropped cluster (untimed), so the
-    # restore does not pay for traversing it (D267).
-    gc.collect()
+    crashed = await park_and_crash(run_root, rollouts, parked)
+    park_s, taken = crashed.park_s, crashed.taken
     latest = read_latest(run_root)
     if latest is None:
         raise RuntimeError("the checkpoint before the crash was not published")

@@ -32,8 +32,13 @@ margin, would not fit in what is left of the budget or of the machine's availabl
 
 
 def peak_rss_mb() -> float:
-    """This process's peak resident memory (Linux reports KiB)."""
-    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    """The peak resident memory of this process or of the largest child it waited for, the
+    parked cluster of a crash-restore cycle (D376), whichever is larger (Linux reports KiB)."""
+    peaks = (
+        resource.getrusage(who).ru_maxrss
+        for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return round(max(peaks) / 1024, 1)
 
 
 def available_memory_mb() -> float | None:

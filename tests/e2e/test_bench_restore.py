@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import json
+import os
+import signal
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -11,8 +13,11 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from coordinator import read_latest
 from e2e import build_app
+from e2e._bench.checkpoint import PARKED_WORKLOAD
 from e2e._bench.common import InProcessCluster
+from e2e._bench.crashed_cluster import park_and_crash
 from e2e._bench.restore import crash_restore_cycle, read_and_write_floor
 from participants import live_ledger_keys
 
@@ -61,18 +66,31 @@ async def test_the_crashed_cluster_is_gone_before_the_restore_is_timed(tmp_path:
 
     @contextmanager
     def census() -> Iterator[None]:
-        # No collection here: the bench must have made the dead cluster unreachable and collected it.
         # type(), not isinstance(): isinstance reads __class__, which some of torch's deprecated
         # module attributes answer with a FutureWarning (an error under this suite's filters).
         alive.append(sum(type(o) is InProcessCluster for o in gc.get_objects()))
         yield
 
-    gc.disable()  # only the bench's own collection may free the dead cluster
+    gc.disable()  # nothing collected: a cluster parked in this process would still be here
     try:
         await crash_restore_cycle(tmp_path, 2, finish=False, profiler=census)
     finally:
         gc.enable()
-    assert alive == [1]  # only the fresh cluster: a dead process's memory is gone too
+    assert alive == [1]  # only the fresh cluster: the crashed one lived in its own process
+
+
+@pytest.mark.anyio
+async def test_the_restored_cluster_was_parked_in_a_process_that_was_sigkilled(
+    tmp_path: Path,
+) -> None:
+    """D376: a restore runs in a process that served nothing, as every real restore does (D19),
+    after a real SIGKILL of the process that parked and checkpointed the rollouts."""
+    crashed = await park_and_crash(tmp_path / "run", 2, PARKED_WORKLOAD)
+    assert crashed.pid != os.getpid() and crashed.returncode == -signal.SIGKILL
+    assert crashed.taken["parked"] == 2 and crashed.park_s > 0
+    with pytest.raises(ProcessLookupError):
+        os.kill(crashed.pid, 0)  # gone, and reaped
+    assert read_latest(tmp_path / "run") is not None  # what it published survives it
 
 
 @pytest.mark.anyio

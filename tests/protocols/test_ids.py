@@ -128,6 +128,24 @@ def test_next_attempt_and_covers() -> None:
     assert not episode.covers(EpisodeId(rollout_id="r2", attempt=0))
 
 
+@given(rollout_ids, st.integers(min_value=0, max_value=MAX_ATTEMPT - 1))
+def test_a_next_attempt_is_the_episode_validation_would_build(rollout_id: str, attempt: int) -> None:
+    """D377: built without validating again, yet equal in every way a caller can see."""
+    built = EpisodeId(rollout_id=rollout_id, attempt=attempt).next_attempt()
+    validated = EpisodeId(rollout_id=rollout_id, attempt=attempt + 1)
+    assert built == validated and hash(built) == hash(validated)
+    assert built.model_dump_json() == validated.model_dump_json()
+    assert built.model_fields_set == validated.model_fields_set == {"rollout_id", "attempt"}
+    assert built.capture_key == validated.capture_key
+    with pytest.raises(ValidationError):
+        built.attempt = 0  # type: ignore[misc]  # frozen, as a validated one is
+
+
+def test_the_last_attempt_has_no_next_one() -> None:
+    with pytest.raises(ValidationError):
+        EpisodeId(rollout_id="r", attempt=MAX_ATTEMPT).next_attempt()
+
+
 def test_scopes_compare_as_sorted_keys() -> None:
     a = [EpisodeId(rollout_id="b"), EpisodeId(rollout_id="a", attempt=1), EpisodeId(rollout_id="b")]
     assert sorted_capture_keys(a) == ["a-a1", "b"]

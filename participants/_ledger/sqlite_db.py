@@ -61,6 +61,12 @@ _READ_SINCE_MANY: Final = (
     "FROM json_each(?) AS j JOIN rows AS r ON r.key = json_extract(j.value, '$[0]') "
     "AND (r.seq = json_extract(j.value, '$[1]') OR r.seq > json_extract(j.value, '$[2]'))"
 )
+_READ_SINCE_ONE: Final = (
+    "SELECT group_concat(seq || char(9) || CAST(line AS TEXT), '') FROM rows "
+    "WHERE key = ? AND (seq = ? OR seq > ?)"
+)
+"""``_READ_SINCE_MANY`` for one key, the common case (a resolve, a manifest): the index
+``rows_by_key`` answers it without unpacking a JSON array, about 6 µs a read instead of 13."""
 _FENCED_MANY: Final = (
     "SELECT group_concat(key, char(9)) FROM marks "
     "WHERE fenced AND key IN (SELECT value FROM json_each(?))"
@@ -101,6 +107,13 @@ def read_since_many(conn: sqlite3.Connection, marks: Sequence[tuple[str, int, in
     row after ``last`` (``(key, 0, 0)``: all its rows). Keys without such rows are left out;
     each key may appear once."""
     found: Fetched = {}
+    if len(marks) == 1:
+        key, first, last = marks[0]
+        (text,) = conn.execute(_READ_SINCE_ONE, (key, first, last)).fetchone()
+        if text:
+            lines = [entry.split("\t", 1) for entry in text.split("\n")[:-1]]
+            found[key] = sorted((int(seq), line) for seq, line in lines)
+        return found
     for chunk in _batches(marks):
         (text,) = conn.execute(_READ_SINCE_MANY, (chunk,)).fetchone()
         for entry in (text or "").split("\n")[:-1]:  # each row ends in a newline

@@ -16,9 +16,10 @@ from participants import RESOURCES_MODES, VERIFY_MODES
 
 from .._drill.baseline import check_baseline_dir
 from .._drill.errors import DrillRunError
+from .._drill.options import FAULTS, DrillOptions, default_concurrency
 from .._drill.oracle import ERROR_FIGURES
 from .._drill.progress import DrillProgress
-from .._drill.run import FAULTS, DrillOptions, default_concurrency, run_drill
+from .._drill.run import run_drill
 from .._drill.store import DISK
 from .._sequences.cases import NAMED_CASES
 from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS

@@ -14,8 +14,8 @@ from rich.table import Table
 from coordinator.testing import PUBLISH_FAULTS
 
 from .._drill.matrix import cells_json, parse_cells, run_matrix
+from .._drill.options import FAULTS, DrillOptions
 from .._drill.progress import is_progress_line
-from .._drill.run import FAULTS, DrillOptions
 from .output import console, emit, error_console, usage_error
 
 

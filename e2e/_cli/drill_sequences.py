@@ -10,8 +10,8 @@ from typing import Any
 import typer
 from rich.table import Table
 
+from .._drill.options import DrillOptions
 from .._drill.progress import is_progress_line
-from .._drill.run import DrillOptions
 from .._sequences.suite import SequenceOptions, run_sequences
 from .output import console, emit, error_console
 

@@ -27,8 +27,9 @@ from .._launch.supervisor import Supervisor, SupervisorOptions
 from .._servers.cluster import DEFAULT_NAMES
 from .._servers.evidence import EvidenceLog, read_evidence
 from .driver_process import DriverProcess
+from .options import DrillOptions
 from .oracle import ERROR_FIGURES, RolloutOutcome, compute_figures, rollout_outcomes
-from .run import DrillOptions, run_cluster
+from .run import run_cluster
 from .store import DrillStore, drill_store
 
 SERVERS: Final = tuple(

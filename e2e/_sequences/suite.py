@@ -32,6 +32,7 @@ from coordinator import verify_checkpoint
 from protocols import EpisodeId
 
 from .._drill.driver_process import DriverProcess
+from .._drill.options import DrillOptions
 from .._drill.oracle import (
     ERROR_FIGURES,
     RolloutOutcome,
@@ -39,7 +40,7 @@ from .._drill.oracle import (
     compute_figures,
     rollout_outcomes,
 )
-from .._drill.run import DrillOptions, run_cluster
+from .._drill.run import run_cluster
 from .._launch.supervisor import Supervisor, SupervisorOptions
 from .._servers.evidence import EvidenceLog, read_evidence
 from .cases import NAMED_CASES

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from e2e._drill.baseline import BASELINE_MARKER
+from e2e._drill.options import FAULTS
 from e2e._drill.oracle import ERROR_FIGURES
-from e2e._drill.run import FAULTS
 
 from .processes import drill_json
 

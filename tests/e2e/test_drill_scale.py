@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from e2e._cli.app import build_app
 from e2e._drill.driver_process import DriverProcess
 from e2e._drill.errors import DrillStalledError
-from e2e._drill.run import default_concurrency
+from e2e._drill.options import default_concurrency
 from e2e._servers.evidence import evidence_written
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from e2e._drill.continuations import continued_calls, prefix_mismatches
+from e2e._drill.options import FAULTS
 from e2e._drill.oracle import ERROR_FIGURES
-from e2e._drill.run import FAULTS
 from e2e._worker.tiny_model import build_tiny_model
 from tests.e2e.test_drill import SMALL, _drill
 

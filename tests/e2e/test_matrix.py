@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from e2e._drill.matrix import SMALL_MATRIX, full_matrix, parse_cells, run_cell
+from e2e._drill.options import DrillOptions
 from e2e._drill.oracle import RolloutOutcome
-from e2e._drill.run import DrillOptions
 from participants import KILL_BOUNDARIES
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e._drill.run import restart_only_rollouts
+from e2e._drill.options import restart_only_rollouts
 from e2e._launch.supervisor import ExtraServer, Supervisor, SupervisorOptions, option_flags
 from e2e._servers.cluster import ROLES, ServerEntry, read_cluster
 

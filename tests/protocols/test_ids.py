@@ -129,7 +129,9 @@ def test_next_attempt_and_covers() -> None:
 
 
 @given(rollout_ids, st.integers(min_value=0, max_value=MAX_ATTEMPT - 1))
-def test_a_next_attempt_is_the_episode_validation_would_build(rollout_id: str, attempt: int) -> None:
+def test_a_next_attempt_is_the_episode_validation_would_build(
+    rollout_id: str, attempt: int
+) -> None:
     """D377: built without validating again, yet equal in every way a caller can see."""
     built = EpisodeId(rollout_id=rollout_id, attempt=attempt).next_attempt()
     validated = EpisodeId(rollout_id=rollout_id, attempt=attempt + 1)

@@ -29,7 +29,7 @@ from protocols import EpisodeId
 
 from .._launch.lifeline import Lifeline, hold_lifeline
 from .checkpoint import park, take_checkpoint
-from .common import InProcessCluster, Workload, stage
+from .common import InProcessCluster, Workload, quiet_logs, stage
 
 _CHILD: Final = "from e2e._bench.crashed_cluster import child_main; child_main()"
 STAGE: Final = "stage"
@@ -63,15 +63,19 @@ async def _park_and_checkpoint(
 def child_main() -> None:
     """The child: ``<run root> <rollouts> <workload JSON>``; the figures, then wait to be killed.
 
-    Its stdout carries only the JSON lines the parent reads: anything else printed (logs, a
-    warning) goes to stderr, where the bench's own logs go.
+    Its stdout carries only the JSON lines the parent reads. Its servers log as the bench's own
+    do (:func:`quiet_logs`): warnings and errors, on stderr, so a bench's progress display and
+    ``--json`` stay clean.
     """
     hold_lifeline()
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     sys.stdout = sys.stderr
     run_root, rollouts, workload = Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-    park_s, taken = anyio.run(_park_and_checkpoint, out, run_root, rollouts, Workload(**workload))
+    with quiet_logs():  # as in the bench's own process: warnings and errors only, on stderr
+        park_s, taken = anyio.run(
+            _park_and_checkpoint, out, run_root, rollouts, Workload(**workload)
+        )
     _say(out, PARKED, {"park_s": park_s, "taken": taken})
     signal.pause()  # the parent SIGKILLs this process: the crash
 

@@ -94,6 +94,18 @@ async def test_the_restored_cluster_was_parked_in_a_process_that_was_sigkilled(
 
 
 @pytest.mark.anyio
+async def test_the_parked_cluster_logs_only_warnings_so_the_bench_display_stays_clean(
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """The child's servers log as the bench's own process does (warnings and errors on
+    stderr): its info lines would run through the progress display of every restore bench."""
+    await park_and_crash(tmp_path / "run", 2, PARKED_WORKLOAD)
+    out, err = capfd.readouterr()
+    assert "checkpoint.prepare" not in err and "[info" not in err, err[-2000:]
+    assert out == ""  # the figures travel on the child's own pipe, never on the bench's stdout
+
+
+@pytest.mark.anyio
 async def test_every_restored_rollout_finishes_after_the_crash(tmp_path: Path) -> None:
     row = await crash_restore_cycle(tmp_path, 4, finish=True)
     assert (row["parked"], row["restored"], row["finished"], row["lost"]) == (4, 4, 4, 0)

@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from coordinator import (
     Coordinator,
+    LedgerClient,
     PrepareResult,
     checkpoint_location,
     discover,
@@ -29,13 +30,12 @@ from coordinator import (
 from coordinator.testing import PUBLISH_FAULTS
 from participants import live_ledger_keys
 from participants.testing import KillPoint
-from protocols import CONTROL_PREFIX, CommitReply, EpisodeId
+from protocols import CONTROL_PREFIX, CommitReply, EpisodeId, RolloutRetiredError
 
 from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
-LEDGER_PREFIX = "/training-token-capture/control"
 OPERATION_SECONDS = 30.0
 
 
@@ -83,6 +83,7 @@ class ControlSession:
             timeout=httpx.Timeout(60.0, connect=10.0), limits=CONTROLLER_POOL
         )
         self._coordinator: Coordinator | None = None
+        self._ledger: LedgerClient | None = None
 
     async def coordinator(self) -> Coordinator:
         """The coordinator over every participant of the cluster (discovered once)."""
@@ -192,15 +193,23 @@ class ControlSession:
         return int(counts.get("inflight", 0))
 
     async def ledger_manifest(self, capture_key: str) -> dict[str, Any] | None:
-        """The capture-ledger manifest of one attempt; ``None`` once its ledger is retired (410)."""
-        reply = await self._get(
-            self.cluster.url_of("model") + f"{LEDGER_PREFIX}/rollouts/{capture_key}/manifest"
-        )
-        if reply.status_code == 410:
+        """The capture-ledger manifest of one attempt, as JSON; ``None`` once its ledger is
+        retired (410).
+
+        Read through :class:`coordinator.LedgerClient`, the client a training controller uses:
+        the manifest is parsed by the wire model, which forbids extra fields, so every drill
+        also checks its shape; a lost read is sent again, as the client does for every
+        idempotent call.
+        """
+        if self._ledger is None:
+            self._ledger = LedgerClient(
+                self.cluster.url_of("model"), capture_token=self.token, request_timeout_s=60.0
+            )
+        try:
+            manifest = await self._ledger.manifest(capture_key)
+        except RolloutRetiredError:
             return None
-        reply.raise_for_status()
-        result: dict[str, Any] = reply.json()
-        return result
+        return manifest.model_dump(mode="json")
 
     async def leftover(self, root: Path) -> dict[str, int]:
         """What is still alive at the end: phases, marks, fences, live work, finished ledgers."""

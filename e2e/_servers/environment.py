@@ -34,7 +34,7 @@ from protocols import DeadlineExceededError, EpisodeId, error_from_envelope
 
 from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
-from .peer_pool import PEER_POOL
+from .peer_pool import CONNECT_RETRIES, PEER_POOL, peer_transport
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
@@ -161,9 +161,14 @@ class HttpEnvironmentPeers:
         try:
             with anyio.fail_after(seconds):
                 return await send()
-        except (TimeoutError, httpx.TimeoutException):
+        except (TimeoutError, httpx.ReadTimeout):
             raise DeadlineExceededError(
                 f"{what} did not answer within {seconds:g} s (serve environment {option})"
+            ) from None
+        except httpx.TimeoutException as exc:  # connect, write or pool: it never got going
+            raise DeadlineExceededError(
+                f"{what} could not be sent ({type(exc).__name__}): the server did not take the "
+                f"request; a connection is tried {CONNECT_RETRIES + 1} times (D380)"
             ) from None
 
     async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
@@ -291,7 +296,7 @@ def create_environment_app(
     agent = httpx.AsyncClient(
         base_url=ctx.peer_url("agent"),
         timeout=_httpx_timeout(PeerTimeouts().call_s),
-        transport=agent_transport,
+        transport=agent_transport or peer_transport(),
         cookies=_no_cookie_jar(),
         limits=PEER_POOL,
         event_hooks=TRACE_HOOKS,
@@ -299,7 +304,7 @@ def create_environment_app(
     resources = httpx.AsyncClient(
         base_url=ctx.peer_url("resources"),
         timeout=_httpx_timeout(PeerTimeouts().call_s),
-        transport=resources_transport,
+        transport=resources_transport or peer_transport(),
         cookies=_no_cookie_jar(),
         limits=PEER_POOL,
         event_hooks=TRACE_HOOKS,

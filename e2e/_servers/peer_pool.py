@@ -43,3 +43,20 @@ CONTROLLER_POOL: Final = httpx.Limits(
 httpx's default caps, with idle connections expiring as the data path's do. With httpx's default
 of 5 s, the drill's controller once died of ``RemoteProtocolError`` on a manifest read, 30 s into
 a baseline of 2,000 rollouts in flight (D371)."""
+
+
+CONNECT_RETRIES: Final = 5
+"""How many more times a data-path client tries to open a connection that could not be made."""
+
+
+def peer_transport() -> httpx.AsyncHTTPTransport:
+    """The transport of every data-path client: ``PEER_POOL``, and a connection that could not be
+    made (refused, or no answer to the SYN within the connect timeout) tried again up to
+    ``CONNECT_RETRIES`` more times, after 0, 0.5, 1, 2 and 4 s (httpcore's backoff).
+
+    Nothing of the request was sent when a connection fails, so nothing can run twice. With
+    2,000 rollouts in flight at once on two cores, a server's accept queue overflows for
+    seconds, and the first try of an agent activation met a 10 s ``ConnectTimeout`` (D380).
+    Each call's own deadline still bounds all of it.
+    """
+    return httpx.AsyncHTTPTransport(limits=PEER_POOL, retries=CONNECT_RETRIES)

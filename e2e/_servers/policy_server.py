@@ -55,7 +55,7 @@ from protocols import (
 
 from .._trace.propagation import TRACE_HOOKS
 from .evidence import EvidenceLog
-from .peer_pool import PEER_POOL
+from .peer_pool import PEER_POOL, peer_transport
 from .policy_apis import ModelApi, ModelCall, ModelReply
 from .worker_client import WORKER_TIMEOUT, ContinuationRefused, call_worker
 
@@ -109,7 +109,7 @@ class PolicyServer:
         async with httpx.AsyncClient(
             base_url=self.worker_url,
             timeout=WORKER_TIMEOUT,
-            transport=self._transport,
+            transport=self._transport or peer_transport(),
             limits=PEER_POOL,
             event_hooks=TRACE_HOOKS,
         ) as client:

@@ -30,7 +30,7 @@ from participants import (
     error_responses,
     participant_app,
 )
-from protocols import DeadlineExceededError, EpisodeId, error_from_envelope
+from protocols import DeadlineExceededError, EpisodeId, InternalError, error_from_envelope
 
 from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
@@ -170,6 +170,8 @@ class HttpEnvironmentPeers:
                 f"{what} could not be sent ({type(exc).__name__}): the server did not take the "
                 f"request; a connection is tried {CONNECT_RETRIES + 1} times (D380)"
             ) from None
+        except httpx.TransportError as exc:  # the connection broke: say which call it was
+            raise InternalError(f"{what} failed: {exc!r}") from exc
 
     async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
         """``POST /ng-rollout/<key>/seed_session``; notes the verify mode and restart flag."""

@@ -14,7 +14,7 @@ import pytest
 
 from e2e._servers.environment import HttpEnvironmentPeers, PeerTimeouts
 from e2e._servers.peer_pool import peer_transport
-from protocols import DeadlineExceededError
+from protocols import DeadlineExceededError, InternalError
 
 pytestmark = pytest.mark.anyio
 
@@ -97,3 +97,28 @@ async def test_a_peer_call_that_never_got_going_is_not_reported_as_a_slow_peer(
     message = str(refused.value)
     assert "could not be sent (ConnectTimeout)" in message, message
     assert "did not answer within" not in message
+
+
+async def test_a_peer_call_whose_connection_broke_is_named_in_the_failure() -> None:
+    """At 2,000 rollouts in flight one episode failed with only ``ReadError('')``: which of its
+    calls broke was not said. A server that reads the request and hangs up gives the same."""
+
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.close()
+
+    server = await asyncio.start_server(hang_up, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        async with (
+            httpx.AsyncClient(base_url=url) as agent,
+            httpx.AsyncClient(base_url=url) as resources,
+        ):
+            peers = HttpEnvironmentPeers(agent, resources)
+            with pytest.raises(InternalError) as broke:
+                await peers.activate("r1", 1)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert str(broke.value).startswith("agent activation 1 of r1 failed: "), str(broke.value)
+    assert broke.value.code == "internal_error"  # the code the episode reported before

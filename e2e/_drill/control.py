@@ -85,6 +85,15 @@ class ControlSession:
         self._coordinator: Coordinator | None = None
         self._ledger: LedgerClient | None = None
 
+    async def aclose(self) -> None:
+        """Close every connection this session opened: the coordinator's, the ledger client's
+        and its own reads'."""
+        if self._coordinator is not None:
+            await self._coordinator.aclose()
+        if self._ledger is not None:
+            await self._ledger.aclose()
+        await self._http.aclose()
+
     async def coordinator(self) -> Coordinator:
         """The coordinator over every participant of the cluster (discovered once)."""
         if self._coordinator is None:

@@ -184,9 +184,7 @@ class Deployment:
 
     async def close_control(self) -> None:
         """Close the control session's connections (the processes are about to go)."""
-        if self.control._coordinator is not None:
-            await self.control._coordinator.aclose()
-        await self.control._http.aclose()
+        await self.control.aclose()
 
     def egress(self) -> list[dict[str, Any]]:
         """The policy server's egress evidence (delivered responses), in order."""

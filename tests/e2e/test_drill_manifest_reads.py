@@ -62,8 +62,7 @@ async def test_a_manifest_is_read_as_the_route_answers_it_and_a_retired_one_is_n
         await ledger.retire(["r1"])
         assert await session.ledger_manifest("r1") is None  # 410: the rollout reruns
     finally:
-        assert session._ledger is not None
-        await session._ledger.aclose()
+        await session.aclose()
         ledger.close()
 
 
@@ -79,5 +78,4 @@ async def test_a_manifest_with_a_field_the_reference_lacks_fails_the_read(tmp_pa
         with pytest.raises(ValidationError, match="Extra inputs are not permitted"):
             await session.ledger_manifest("r1")
     finally:
-        assert session._ledger is not None
-        await session._ledger.aclose()
+        await session.aclose()

@@ -32,7 +32,7 @@ from protocols import (
     WireError,
 )
 
-from .._servers.peer_pool import PEER_POOL, peer_transport
+from .._servers.peer_pool import peer_transport
 from .._trace.propagation import TRACE_HOOKS
 
 Scope = MutableMapping[str, Any]
@@ -248,6 +248,5 @@ def proxy_client() -> httpx.AsyncClient:
         timeout=httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0),
         follow_redirects=False,
         transport=peer_transport(),
-        limits=PEER_POOL,
         event_hooks=TRACE_HOOKS,
     )

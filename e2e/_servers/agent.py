@@ -35,7 +35,7 @@ from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 
 from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
-from .peer_pool import PEER_POOL, peer_transport
+from .peer_pool import peer_transport
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
@@ -154,7 +154,6 @@ def create_agent_app(
                     base_url=ctx.peer_url(role),
                     timeout=HELD_CALL_TIMEOUT,
                     transport=transport or peer_transport(),
-                    limits=PEER_POOL,
                     event_hooks=TRACE_HOOKS,
                 )
                 await stack.enter_async_context(client)

@@ -34,7 +34,7 @@ from protocols import DeadlineExceededError, EpisodeId, InternalError, error_fro
 
 from .._trace.propagation import TRACE_HOOKS
 from .context import ServeContext, control_settings
-from .peer_pool import CONNECT_RETRIES, PEER_POOL, peer_transport
+from .peer_pool import CONNECT_RETRIES, peer_transport
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
@@ -300,7 +300,6 @@ def create_environment_app(
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=agent_transport or peer_transport(),
         cookies=_no_cookie_jar(),
-        limits=PEER_POOL,
         event_hooks=TRACE_HOOKS,
     )
     resources = httpx.AsyncClient(
@@ -308,7 +307,6 @@ def create_environment_app(
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=resources_transport or peer_transport(),
         cookies=_no_cookie_jar(),
-        limits=PEER_POOL,
         event_hooks=TRACE_HOOKS,
     )
     participant = EnvironmentParticipant(

@@ -15,20 +15,19 @@ from typing import Final
 
 import httpx
 
-from coordinator import IDLE_CONNECTION_EXPIRY_S as IDLE_EXPIRY_S
-
-# Idle pooled connections are dropped after IDLE_EXPIRY_S, before a server's keep-alive closes
-# them (the race below): every client of the reference deployment and the coordinator's own use
-# the one figure (D371).
+# Idle pooled connections are dropped after IDLE_CONNECTION_EXPIRY_S, before a server's
+# keep-alive closes them (the race below): every client of the reference deployment and the
+# coordinator's own use the one figure (D371).
+from coordinator import IDLE_CONNECTION_EXPIRY_S
 
 SERVER_KEEP_ALIVE_S: Final = 30
 """How long a reference server keeps an idle connection open (uvicorn's default is 5 s). A client
-drops its idle connections after ``IDLE_EXPIRY_S``, but a process whose event loop is starved
-may send a request seconds after it took the connection from its pool: at 2,000 rollouts in
+drops its idle connections after ``IDLE_CONNECTION_EXPIRY_S``, but a process whose event loop is
+starved may send a request seconds after it took the connection from its pool: at 2,000 rollouts in
 flight on two cores, two episodes ended in ``ReadError('')`` with a 5 s keep-alive (D374)."""
 
 PEER_POOL: Final = httpx.Limits(
-    max_connections=None, max_keepalive_connections=64, keepalive_expiry=IDLE_EXPIRY_S
+    max_connections=None, max_keepalive_connections=64, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S
 )
 """No cap on connections; 64 idle ones are kept for reuse, each for at most 2 s. uvicorn closes
 a connection idle for 5 s; with httpx's default of 5 s too, a client sometimes sent its request
@@ -37,7 +36,7 @@ down a connection the server was closing and read nothing back (``ReadError('')`
 the server does removes that race."""
 
 CONTROLLER_POOL: Final = httpx.Limits(
-    max_connections=100, max_keepalive_connections=20, keepalive_expiry=IDLE_EXPIRY_S
+    max_connections=100, max_keepalive_connections=20, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S
 )
 """A controller's own reads (a rollout's ledger manifest after its result, a server's status):
 httpx's default caps, with idle connections expiring as the data path's do. With httpx's default

@@ -55,7 +55,7 @@ from protocols import (
 
 from .._trace.propagation import TRACE_HOOKS
 from .evidence import EvidenceLog
-from .peer_pool import PEER_POOL, peer_transport
+from .peer_pool import peer_transport
 from .policy_apis import ModelApi, ModelCall, ModelReply
 from .worker_client import WORKER_TIMEOUT, ContinuationRefused, call_worker
 
@@ -110,7 +110,6 @@ class PolicyServer:
             base_url=self.worker_url,
             timeout=WORKER_TIMEOUT,
             transport=self._transport or peer_transport(),
-            limits=PEER_POOL,
             event_hooks=TRACE_HOOKS,
         ) as client:
             self.client = client

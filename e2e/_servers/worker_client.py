@@ -14,7 +14,7 @@ from typing import Any, Final
 import httpx
 import structlog
 
-from coordinator import IDLE_CONNECTION_EXPIRY_S as IDLE_EXPIRY_S
+from coordinator import IDLE_CONNECTION_EXPIRY_S
 from protocols import (
     ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
@@ -38,7 +38,7 @@ ABORT_TIMEOUT_SECONDS: Final = 30.0
 _log = structlog.get_logger("midflight.policy")
 
 CONTROL_POOL: Final = httpx.Limits(
-    max_connections=8, max_keepalive_connections=4, keepalive_expiry=IDLE_EXPIRY_S
+    max_connections=8, max_keepalive_connections=4, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S
 )
 """The cut and abort requests' own pool; idle connections expire before the worker closes them."""
 CUT_REFUSED_STATUSES: Final = frozenset({400, 422})

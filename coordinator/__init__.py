@@ -13,7 +13,9 @@
   clean-up of what was published;
 - :class:`LedgerClient`: the client of a model server's capture-ledger routes;
 - ``IDLE_CONNECTION_EXPIRY_S``: how long every midflight client keeps an idle connection (2 s, under
-  any server's keep-alive), for a controller that builds its own ``httpx`` pools;
+  any server's keep-alive), and :func:`http_transport`, the transport every midflight client
+  sends through (httpcore's pool with a linear assignment pass that never closes a connection a
+  request holds), for a controller that builds its own ``httpx`` clients;
 - :func:`discover_on_ray` / :func:`hosted_on_ray`: the participants hosted as named actors in a
   Ray namespace (:class:`HostedServer`, answered by each actor's ``describe``);
 - :func:`checkpoint_trace`: one checkpoint as one OpenTelemetry trace, for a controller that
@@ -36,6 +38,7 @@ from ._layout import (
 )
 from ._ledger_client import LedgerClient
 from ._members import CoordinationError, Member
+from ._pool import http_transport
 from ._publish import (
     CheckpointManifest,
     PublishedParticipant,
@@ -79,6 +82,7 @@ __all__ = [
     "discover",
     "discover_on_ray",
     "hosted_on_ray",
+    "http_transport",
     "is_pinned",
     "pin_checkpoint",
     "publish_checkpoint",

@@ -26,6 +26,7 @@ from tenacity.wait import wait_base
 
 from protocols import WireError, error_from_envelope
 
+from ._pool import http_transport
 from ._tracing import inject_headers
 
 DEFAULT_CONTROL_ATTEMPTS: Final = 3
@@ -150,8 +151,8 @@ class RetryingCaller:
         self._http = httpx.AsyncClient(
             base_url=url + prefix,
             headers={"authorization": f"Bearer {token}"},
-            transport=transport,
-            limits=pool_limits() if limits is None else limits,
+            # A transport of the caller's (a test's ASGI app) is used as given (D381).
+            transport=transport or http_transport(pool_limits() if limits is None else limits),
         )
 
     async def aclose(self) -> None:

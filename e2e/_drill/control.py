@@ -24,6 +24,7 @@ from coordinator import (
     PrepareResult,
     checkpoint_location,
     discover,
+    http_transport,
     publish_checkpoint,
     read_latest,
 )
@@ -80,7 +81,7 @@ class ControlSession:
         self.publish_fault = fault if fault in PUBLISH_FAULTS else None
         self._auth = {"Authorization": f"Bearer {token}"}
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(60.0, connect=10.0), limits=CONTROLLER_POOL
+            timeout=httpx.Timeout(60.0, connect=10.0), transport=http_transport(CONTROLLER_POOL)
         )
         self._coordinator: Coordinator | None = None
         self._ledger: LedgerClient | None = None

@@ -18,6 +18,7 @@ import anyio.lowlevel
 import httpx
 from opentelemetry import trace
 
+from coordinator import http_transport
 from protocols import ROLLOUT_SPAN, EpisodeId
 
 from .._servers.cluster import Cluster
@@ -69,8 +70,10 @@ class RolloutDispatcher:
         self.done_events: dict[str, anyio.Event] = {}
         self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
         self.control = ControlSession(cluster, token)
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(900.0, connect=10.0), limits=PEER_POOL, event_hooks=TRACE_HOOKS
+        self.http = httpx.AsyncClient(  # no connect retries: a /run never sent is resent (D372)
+            timeout=httpx.Timeout(900.0, connect=10.0),
+            transport=http_transport(PEER_POOL),
+            event_hooks=TRACE_HOOKS,
         )
         self.wake = anyio.Event()
         self.retired: dict[str, int] = {}

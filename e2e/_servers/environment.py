@@ -33,6 +33,7 @@ from participants import (
 from protocols import DeadlineExceededError, EpisodeId, InternalError, error_from_envelope
 
 from .._trace.propagation import TRACE_HOOKS
+from .call_phase import CallPhase
 from .context import ServeContext, control_settings
 from .peer_pool import CONNECT_RETRIES, peer_transport
 
@@ -155,23 +156,31 @@ class HttpEnvironmentPeers:
         self.timeouts = timeouts or PeerTimeouts()
 
     async def _within(
-        self, seconds: float, what: str, option: str, send: Callable[[], Awaitable[httpx.Response]]
+        self,
+        seconds: float,
+        what: str,
+        option: str,
+        send: Callable[[dict[str, Any]], Awaitable[httpx.Response]],
     ) -> httpx.Response:
-        """``send()``, or a typed ``deadline_exceeded`` naming the call and its option."""
+        """``send(extensions)``, or a typed error naming the call, its option and how far it got
+        (``CallPhase``, D382)."""
+        phase = CallPhase()
         try:
             with anyio.fail_after(seconds):
-                return await send()
+                return await send(phase.extensions)
         except (TimeoutError, httpx.ReadTimeout):
             raise DeadlineExceededError(
-                f"{what} did not answer within {seconds:g} s (serve environment {option})"
+                f"{what} did not answer within {seconds:g} s (serve environment {option}); "
+                f"{phase.describe()}"
             ) from None
         except httpx.TimeoutException as exc:  # connect, write or pool: it never got going
             raise DeadlineExceededError(
                 f"{what} could not be sent ({type(exc).__name__}): the server did not take the "
-                f"request; a connection is tried {CONNECT_RETRIES + 1} times (D380)"
+                f"request; a connection is tried {CONNECT_RETRIES + 1} times (D380); "
+                f"{phase.describe()}"
             ) from None
         except httpx.TransportError as exc:  # the connection broke: say which call it was
-            raise InternalError(f"{what} failed: {exc!r}") from exc
+            raise InternalError(f"{what} failed: {exc!r}; {phase.describe()}") from exc
 
     async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
         """``POST /ng-rollout/<key>/seed_session``; notes the verify mode and restart flag."""
@@ -180,10 +189,11 @@ class HttpEnvironmentPeers:
             seconds,
             f"resources seed_session of {key}",
             "--peer-timeout-s",
-            lambda: self.resources.post(
+            lambda ext: self.resources.post(
                 f"/ng-rollout/{key}/seed_session",
                 json={"task_input": task_input},
                 timeout=_httpx_timeout(seconds),
+                extensions=ext,
             ),
         )
         body = _raise_for_refusal(reply, "resources seed_session")
@@ -206,10 +216,11 @@ class HttpEnvironmentPeers:
             seconds,
             f"agent sessions/seed of {key}",
             "--peer-timeout-s",
-            lambda: self.agent.post(
+            lambda ext: self.agent.post(
                 f"/ng-rollout/{key}/sessions/seed",
                 json={"resources_session_id": resources_session_id, "task_input": task_input},
                 timeout=_httpx_timeout(seconds),
+                extensions=ext,
             ),
         )
         _raise_for_refusal(reply, "agent sessions/seed")
@@ -221,10 +232,11 @@ class HttpEnvironmentPeers:
             seconds,
             f"agent activation {activation} of {key}",
             "--activation-timeout-s",
-            lambda: self.agent.post(
+            lambda ext: self.agent.post(
                 f"/ng-rollout/{key}/sessions/activate",
                 headers={ACTIVATION_HEADER: str(activation)},
                 timeout=_httpx_timeout(seconds),
+                extensions=ext,
             ),
         )
         result: dict[str, Any] = _raise_for_refusal(reply, "agent sessions/activate")
@@ -237,10 +249,11 @@ class HttpEnvironmentPeers:
             seconds,
             f"resources verify of {key}",
             "--verify-timeout-s",
-            lambda: self.resources.post(
+            lambda ext: self.resources.post(
                 f"/ng-rollout/{key}/verify",
                 headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
                 timeout=_httpx_timeout(seconds),
+                extensions=ext,
             ),
         )
         body = _raise_for_refusal(reply, "resources verify")
@@ -256,8 +269,10 @@ class HttpEnvironmentPeers:
             seconds,
             f"agent sessions/close of {key}",
             "--peer-timeout-s",
-            lambda: self.agent.post(
-                f"/ng-rollout/{key}/sessions/close", timeout=_httpx_timeout(seconds)
+            lambda ext: self.agent.post(
+                f"/ng-rollout/{key}/sessions/close",
+                timeout=_httpx_timeout(seconds),
+                extensions=ext,
             ),
         )
         _raise_for_refusal(reply, "agent sessions/close")
@@ -266,10 +281,11 @@ class HttpEnvironmentPeers:
                 seconds,
                 f"resources close_session of {key}",
                 "--peer-timeout-s",
-                lambda: self.resources.post(
+                lambda ext: self.resources.post(
                     "/close_session",
                     headers={"cookie": f"{SESSION_COOKIE}={resources_session_id}"},
                     timeout=_httpx_timeout(seconds),
+                    extensions=ext,
                 ),
             )
             _raise_for_refusal(reply, "resources close_session")

@@ -18,7 +18,7 @@ import httpx
 # Idle pooled connections are dropped after IDLE_CONNECTION_EXPIRY_S, before a server's
 # keep-alive closes them (the race below): every client of the reference deployment and the
 # coordinator's own use the one figure (D371).
-from coordinator import IDLE_CONNECTION_EXPIRY_S
+from coordinator import IDLE_CONNECTION_EXPIRY_S, http_transport
 
 SERVER_KEEP_ALIVE_S: Final = 30
 """How long a reference server keeps an idle connection open (uvicorn's default is 5 s). A client
@@ -58,4 +58,4 @@ def peer_transport() -> httpx.AsyncHTTPTransport:
     seconds, and the first try of an agent activation met a 10 s ``ConnectTimeout`` (D380).
     Each call's own deadline still bounds all of it.
     """
-    return httpx.AsyncHTTPTransport(limits=PEER_POOL, retries=CONNECT_RETRIES)
+    return http_transport(PEER_POOL, retries=CONNECT_RETRIES)

@@ -14,7 +14,7 @@ from typing import Any, Final
 import httpx
 import structlog
 
-from coordinator import IDLE_CONNECTION_EXPIRY_S
+from coordinator import IDLE_CONNECTION_EXPIRY_S, http_transport
 from protocols import (
     ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
@@ -79,8 +79,7 @@ class HttpCutRequester:
         headers = {"authorization": f"Bearer {self._token}"} if self._token else {}
         async with httpx.AsyncClient(
             headers=headers,
-            limits=CONTROL_POOL,
-            transport=self._transport,
+            transport=self._transport or http_transport(CONTROL_POOL),
             event_hooks=TRACE_HOOKS,
         ) as client:
             self.client = client

@@ -1,13 +1,15 @@
 """A data-path connection that could not be made is tried again, and a peer call that never got
-going is named as such, not as a peer that did not answer (D380). Real sockets on 127.0.0.1."""
+going is named as such, not as a peer that did not answer (D380), and a failed call says how far
+it got: connecting, sending, waiting, reading, and on which connection (D382). Real sockets on
+127.0.0.1."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager, suppress
 
 import httpx
 import pytest
@@ -96,6 +98,7 @@ async def test_a_peer_call_that_never_got_going_is_not_reported_as_a_slow_peer(
                 await peers.activate("r1", 1)
     message = str(refused.value)
     assert "could not be sent (ConnectTimeout)" in message, message
+    assert message.endswith("; no connection was made (2 tries)"), message  # D382
     assert "did not answer within" not in message
 
 
@@ -122,3 +125,121 @@ async def test_a_peer_call_whose_connection_broke_is_named_in_the_failure() -> N
         await server.wait_closed()
     assert str(broke.value).startswith("agent activation 1 of r1 failed: "), str(broke.value)
     assert broke.value.code == "internal_error"  # the code the episode reported before
+
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, asyncio.Event], Awaitable[None]]
+
+
+@asynccontextmanager
+async def _serving(handler: Handler) -> AsyncIterator[str]:
+    """A server on 127.0.0.1 whose handlers are let go, and closed, before the loop ends."""
+    release = asyncio.Event()
+    handlers: list[asyncio.Task[None]] = []
+
+    async def run(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        try:
+            await handler(reader, writer, release)
+        finally:
+            writer.close()
+            with suppress(ConnectionError):
+                await writer.wait_closed()
+
+    server = await asyncio.start_server(run, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        release.set()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        server.close()
+        await server.wait_closed()
+
+
+async def _seed_failure(url: str, **timeouts: float) -> str:
+    async with (
+        httpx.AsyncClient(base_url=url, transport=peer_transport()) as agent,
+        httpx.AsyncClient(base_url=url, transport=peer_transport()) as resources,
+    ):
+        peers = HttpEnvironmentPeers(agent, resources, PeerTimeouts(**timeouts))
+        with pytest.raises((DeadlineExceededError, InternalError)) as failed:
+            await peers.seed_agent("r1", "s1", {"turns": 1})
+    return str(failed.value)
+
+
+async def test_a_peer_that_took_the_whole_request_and_never_answered_is_told_apart() -> None:
+    """D382: at 2,000 in flight at once, five seeds "did not answer within 60 s" while the other
+    1,995 rollouts finished; nothing said whether the request had even reached the agent."""
+    taken: list[bytes] = []
+
+    async def keep_silent(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, release: asyncio.Event
+    ) -> None:
+        taken.append(await reader.readuntil(b"\r\n\r\n"))
+        await release.wait()
+
+    async with _serving(keep_silent) as url:
+        message = await _seed_failure(url, call_s=0.5)
+    assert taken, "the request reached the server"
+    assert "did not answer within 0.5 s" in message, message
+    assert "; the whole request was sent; no answer had come (sent on a new connection" in message
+
+
+async def test_an_answer_that_stopped_halfway_is_told_apart() -> None:
+    async def stop_halfway(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, release: asyncio.Event
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 20\r\n\r\n{")
+        await writer.drain()
+        await release.wait()
+
+    async with _serving(stop_halfway) as url:
+        message = await _seed_failure(url, call_s=0.5)
+    assert "; the answer had begun; it was being read (sent on" in message, message
+
+
+async def test_a_connection_broken_after_the_request_says_the_request_was_sent() -> None:
+    async def hang_up(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, release: asyncio.Event
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+
+    async with _serving(hang_up) as url:
+        message = await _seed_failure(url)
+    assert message.startswith("agent sessions/seed of r1 failed: "), message
+    assert "; the whole request was sent; no answer had come" in message, message
+
+
+async def test_a_request_that_went_out_on_a_pooled_connection_says_so() -> None:
+    """What the drill at 2,000 in flight needs told apart: a request written down a connection
+    an earlier call left idle, and when it went out."""
+    calls = 0
+
+    async def answer_once(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, release: asyncio.Event
+    ) -> None:
+        nonlocal calls
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.lower().split(b"\r\n")
+            if b"content-length" in line
+        )
+        await reader.readexactly(length)  # the seed's JSON body
+        calls += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        await writer.drain()
+        await reader.readuntil(b"\r\n\r\n")  # the second call, on the same connection
+        calls += 1
+        await release.wait()
+
+    async with (
+        _serving(answer_once) as url,
+        httpx.AsyncClient(base_url=url, transport=peer_transport()) as agent,
+    ):
+        peers = HttpEnvironmentPeers(agent, agent, PeerTimeouts(call_s=0.5))
+        await peers.seed_agent("r1", "s1", {"turns": 1})
+        with pytest.raises(DeadlineExceededError) as silent:
+            await peers.seed_agent("r1", "s1", {"turns": 1})
+    assert calls == 2
+    assert "(sent on a pooled connection 0.0 s after the call began)" in str(silent.value)

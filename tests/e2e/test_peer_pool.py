@@ -1,0 +1,127 @@
+"""The data path's connection pool (D381): a connection handed to a request is never closed under
+it, and idle connections are kept while hundreds are busy. Real sockets on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+
+import httpcore
+import httpx
+import pytest
+
+from coordinator import http_transport
+from coordinator._pool import LinearConnectionPool
+from e2e._servers.peer_pool import peer_transport
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class _KeepAliveServer:
+    """HTTP/1.1 on 127.0.0.1 that keeps connections open: ``/hold`` waits for ``release``,
+    anything else answers at once. Counts the connections it accepted."""
+
+    def __init__(self) -> None:
+        self.accepted = 0
+        self.release = asyncio.Event()
+        self.held = 0
+        self._handlers: list[asyncio.Task[None]] = []
+        self._writers: list[asyncio.StreamWriter] = []
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        self._handlers.append(asyncio.current_task())  # type: ignore[arg-type]
+        self._writers.append(writer)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"POST /hold") or head.startswith(b"GET /hold"):
+                    self.held += 1
+                    await self.release.wait()
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+            with suppress(ConnectionError):
+                await writer.wait_closed()
+
+    @asynccontextmanager
+    async def running(self) -> AsyncIterator[str]:
+        server = await asyncio.start_server(self._serve, "127.0.0.1", 0, backlog=512)
+        try:
+            yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        finally:
+            self.release.set()
+            server.close()
+            for writer in self._writers:
+                writer.close()  # the handler's next read ends
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+
+
+async def _until(condition: object, seconds: float = 10.0) -> None:
+    async with asyncio.timeout(seconds):
+        while not condition():  # type: ignore[operator]  # noqa: ASYNC110 - the pool's state
+            await asyncio.sleep(0.01)
+
+
+async def test_a_connection_handed_to_a_queued_request_is_not_closed_as_surplus() -> None:
+    """encode/httpcore#1110: a pass hands idle connection X to request B; before B's task marks
+    X busy, another pass (a response closing) counts X among the surplus idle connections and
+    closes it, and the close lands under B once it is sent."""
+    server = _KeepAliveServer()
+    async with server.running() as url:
+        limits = httpx.Limits(max_keepalive_connections=1, keepalive_expiry=30)
+        transport = http_transport(limits)
+        pool = transport._pool
+        assert isinstance(pool, LinearConnectionPool)
+        async with httpx.AsyncClient(base_url=url, transport=transport) as client:
+            first = asyncio.ensure_future(client.get("/quick"))
+            held = asyncio.ensure_future(client.get("/hold"))
+            await _until(lambda: server.held == 1)
+            assert (await first).status_code == 200
+            await _until(lambda: len(pool.connections) == 2)
+            (x,) = [c for c in pool.connections if c.is_idle()]
+            # B is queued and handed X, as the pass after a request's arrival does.
+            b = httpcore._async.connection_pool.AsyncPoolRequest(
+                httpcore.Request("GET", f"{url}/quick", headers=[("Host", url[len("http://") :])])
+            )
+            pool._requests.append(b)
+            assert pool._assign_requests_to_connections() == []
+            assert b.connection is x
+            # The held call's answer comes back: its close runs a pass with two idle connections
+            # and room for one. X is B's, so the other is the surplus.
+            server.release.set()
+            assert (await held).status_code == 200
+            assert not x.is_closed(), "the pass closed the connection B was handed"
+            assert x in pool.connections
+            reply = await x.handle_async_request(b.request)
+            await reply.aread()
+            assert reply.status == 200
+            pool._requests.remove(b)
+
+
+async def test_idle_connections_are_kept_while_more_than_the_keepalive_cap_are_busy() -> None:
+    """httpcore 1.0.9 closed every idle connection while more than 64 (busy ones too) were open,
+    so with hundreds of rollouts in flight nearly every call opened a connection."""
+    server = _KeepAliveServer()
+    async with (
+        server.running() as url,
+        httpx.AsyncClient(base_url=url, transport=peer_transport()) as client,
+    ):
+        busy = [asyncio.ensure_future(client.get("/hold")) for _ in range(100)]
+        await _until(lambda: server.held == 100)
+        before = server.accepted
+        for _ in range(20):
+            assert (await client.get("/quick")).status_code == 200
+        opened = server.accepted - before
+        server.release.set()
+        assert all(reply.status_code == 200 for reply in await asyncio.gather(*busy))
+    assert opened == 1, f"20 calls one after another opened {opened} connections"

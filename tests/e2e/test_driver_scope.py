@@ -359,3 +359,36 @@ async def test_a_run_whose_connection_was_never_made_is_sent_again(tmp_path: Pat
             server.close()
             await server.wait_closed()
     assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_failed"]
+
+
+async def test_a_phase_whose_rollouts_all_finished_still_publishes_a_checkpoint_for_its_crash(
+    tmp_path: Path,
+) -> None:
+    """D383: with 2,000 rollouts at once, every commit of a phase was abandoned for want of a cut
+    until the rollouts had all finished; the phase crashed with nothing published, and the next
+    phase's controller died of ``FileNotFoundError: no published checkpoint``."""
+    control = _CutControl(tmp_path, cuts=[[]])
+    driver = _crash_phase_driver(tmp_path, control)
+    driver.state.accepted["r1"] = {"attempt": 0}  # finished before any checkpoint was taken
+    said: list[str] = []
+
+    def say(line: str) -> None:
+        said.append(line)
+        if line == "crash-point":
+            raise _CrashPoint
+
+    driver.say = say  # type: ignore[method-assign]
+    crashed = False
+    try:
+        await driver.run()
+    except* _CrashPoint:
+        crashed = True
+    finally:
+        await driver.http.aclose()
+    assert crashed
+    assert control.published == ["ckpt-0-0"]
+    assert said[-1] == "crash-point"
+
+
+class _CrashPoint(Exception):
+    """Where the phase would wait for its SIGKILL."""

@@ -34,6 +34,7 @@ from participants import (
 from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 
 from .._trace.propagation import TRACE_HOOKS
+from .call_phase import CallPhase
 from .context import ServeContext, control_settings
 from .peer_pool import peer_transport
 
@@ -95,13 +96,17 @@ class HttpAgentPeers:
     ) -> str:
         """One chat completion on the policy server."""
         assert self.model is not None, "the agent server is not running"
+        phase = CallPhase()
         try:
             reply = await self.model.post(
                 f"/ng-rollout/{session_key}/v1/chat/completions",
                 json={"messages": messages, "max_tokens": max_tokens},
+                extensions=phase.extensions,
             )
-        except httpx.TransportError as exc:
-            raise InternalError(f"the policy server is unreachable: {exc!r}"[:500]) from exc
+        except httpx.TransportError as exc:  # how far it got decides if it may have run (D382)
+            raise InternalError(
+                f"the policy server call of {session_key} failed: {exc!r}; {phase.describe()}"[:500]
+            ) from exc
         if reply.status_code != 200:
             raise self._refusal(reply, "the policy server")
         return str(reply.json()["choices"][0]["message"]["content"])
@@ -111,14 +116,19 @@ class HttpAgentPeers:
     ) -> dict[str, int]:
         """One tool call on the resources server, in the session named by the cookie."""
         assert self.resources is not None, "the agent server is not running"
+        phase = CallPhase()
         try:
             reply = await self.resources.post(
                 f"/ng-rollout/{session_key}/tools/{tool}",
                 json={"arg": arg},
                 headers={"cookie": f"ng_session={resources_session_id}"},
+                extensions=phase.extensions,
             )
         except httpx.TransportError as exc:
-            raise InternalError(f"the resources server is unreachable: {exc!r}"[:500]) from exc
+            raise InternalError(
+                f"the resources tool call {tool} of {session_key} failed: {exc!r}; "
+                f"{phase.describe()}"[:500]
+            ) from exc
         if reply.status_code != 200:
             raise self._refusal(reply, "the resources server")
         body = reply.json()

@@ -14,6 +14,7 @@ from contextlib import asynccontextmanager, contextmanager, suppress
 import httpx
 import pytest
 
+from e2e._servers.agent import HttpAgentPeers
 from e2e._servers.environment import HttpEnvironmentPeers, PeerTimeouts
 from e2e._servers.peer_pool import peer_transport
 from protocols import DeadlineExceededError, InternalError
@@ -243,3 +244,28 @@ async def test_a_request_that_went_out_on_a_pooled_connection_says_so() -> None:
             await peers.seed_agent("r1", "s1", {"turns": 1})
     assert calls == 2
     assert "(sent on a pooled connection 0.0 s after the call began)" in str(silent.value)
+
+
+async def test_the_agents_broken_model_and_tool_calls_say_how_far_they_got() -> None:
+    """The agent reported both as "the … server is unreachable", though its request had gone
+    out: the model may then have run the call (D382)."""
+
+    async def hang_up(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter, release: asyncio.Event
+    ) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+
+    async with _serving(hang_up) as url:
+        peers = HttpAgentPeers()
+        async with (
+            httpx.AsyncClient(base_url=url, transport=peer_transport()) as peers.model,
+            httpx.AsyncClient(base_url=url, transport=peer_transport()) as peers.resources,
+        ):
+            with pytest.raises(InternalError) as model:
+                await peers.complete("r1", [{"role": "user", "content": "hi"}], 8)
+            with pytest.raises(InternalError) as tool:
+                await peers.call_tool("r1", "s1", "add", 1)
+    assert str(model.value).startswith("the policy server call of r1 failed: "), model.value
+    assert str(tool.value).startswith("the resources tool call add of r1 failed: "), tool.value
+    for failure in (model.value, tool.value):
+        assert "; the whole request was sent; no answer had come (sent on" in str(failure)

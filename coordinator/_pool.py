@@ -1,5 +1,5 @@
 """The connection pool every midflight client sends through: httpcore's, with its assignment pass
-replaced (D381).
+replaced (D381, D384).
 
 httpx 0.28 builds on httpcore 1.0.9, whose pool misbehaves with hundreds of requests at once on
 one client, which is where a controller of thousands of rollouts, and the reference servers'
@@ -8,17 +8,50 @@ data path, live. :func:`http_transport` is ``httpx.AsyncHTTPTransport`` with the
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable
+from typing import Final, cast
+
 import httpcore
 import httpx
+from httpcore._async.connection_pool import AsyncPoolRequest
 from httpcore._async.interfaces import AsyncConnectionInterface
+
+Connection = AsyncConnectionInterface
+OriginKey = tuple[bytes, bytes, int]
+SWEEP_EVERY: Final = 256
+"""Passes between two sweeps of every connection for closed ones no request released."""
+
+
+def _origin_key(request: AsyncPoolRequest) -> OriginKey:
+    origin = request.request.url.origin
+    return origin.scheme, origin.host, origin.port
+
+
+class _Requests(list[AsyncPoolRequest]):
+    """The pool's request list, remembering the connection each removed request leaves behind.
+
+    httpcore removes a request from this list when its response closes or it fails, and runs a
+    pass right after: that is the moment its connection went idle (or closed), so a pass looks
+    at those connections only, not at every connection in the pool.
+    """
+
+    def __init__(self, requests: Iterable[AsyncPoolRequest] = ()) -> None:
+        super().__init__(requests)
+        self.released: list[tuple[Connection, OriginKey]] = []
+
+    def remove(self, request: AsyncPoolRequest) -> None:
+        super().remove(request)
+        if request.connection is not None:
+            self.released.append((request.connection, _origin_key(request)))
 
 
 class LinearConnectionPool(httpcore.AsyncConnectionPool):
-    """httpcore's pool, with its assignment pass replaced: linear, and never closing a connection
-    a request is about to use (D381).
+    """httpcore's pool, with an assignment pass that never closes a connection a request holds
+    and whose work does not grow with the requests in flight (D381, D384).
 
     httpcore 1.0.9 runs ``_assign_requests_to_connections`` whenever a request starts or a
-    response closes, and that pass has two faults that only show with hundreds in flight:
+    response closes, and that pass has three faults that only show with hundreds in flight:
 
     - It closes an idle connection whenever *all* connections, busy ones included, number more
       than ``max_keepalive_connections``, and it may pick one that it has just handed to a queued
@@ -29,56 +62,109 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
     - It is quadratic: a list of every connection per idle connection, and per queued request.
       At 2,000 rollouts in flight at once the environment's event loop spent its time there,
       and a rollout waited 37 s (median) for its first model call.
+    - Even linear, a walk of every connection on each request start and response close took a
+      sixth to a third of the busiest processes' time at 2,000 in flight.
 
-    This pass walks the requests once and the connections once. A connection any request holds
-    is never closed as expired or surplus; surplus idle connections are the oldest ones beyond
-    ``max_keepalive_connections``; an idle connection is handed to one queued request per pass.
+    This pool keeps its idle connections itself, oldest first, per origin too. A connection
+    joins them when the request that held it is removed from the pool and it is idle; a pass
+    looks at those connections, the oldest idle ones (expired or beyond
+    ``max_keepalive_connections``: closed), and the queued requests, each of which gets the
+    newest idle connection of its origin that has not expired, or a new one. A connection
+    handed to a request has left the idle ones, so no pass can close it under that request.
     HTTP/1.1 only: a connection serves one request at a time.
     """
 
-    def _assign_requests_to_connections(self) -> list[AsyncConnectionInterface]:
-        held = {id(request.connection) for request in self._requests if request.connection}
-        closing: list[AsyncConnectionInterface] = []
-        kept: list[AsyncConnectionInterface] = []
-        idle: list[AsyncConnectionInterface] = []  # oldest first, held by no request
-        for connection in self._connections:
+    _requests: _Requests
+    _idle: dict[int, tuple[Connection, OriginKey]]
+    _idle_by_origin: dict[OriginKey, dict[int, Connection]]
+    _passes: int
+
+    def adopt(self) -> None:
+        """Take over the state of a plain httpcore pool whose class was just swapped for this."""
+        self._requests = _Requests(self._requests)
+        self._idle = {}
+        self._idle_by_origin = {}
+        self._passes = 0
+
+    def _assign_requests_to_connections(self) -> list[Connection]:
+        closing: list[Connection] = []
+        self._passes += 1
+        if self._passes % SWEEP_EVERY == 0:
+            self._sweep()
+        released, self._requests.released = self._requests.released, []
+        for connection, origin in released:
             if connection.is_closed():
-                continue  # nothing to close: drop it from the pool
-            if id(connection) in held:
-                kept.append(connection)
-            elif connection.has_expired():
-                closing.append(connection)
-            else:
-                kept.append(connection)
-                if connection.is_idle():
-                    idle.append(connection)
-        surplus = len(idle) - self._max_keepalive_connections
-        if surplus > 0:
-            doomed = {id(connection) for connection in idle[:surplus]}
-            closing.extend(idle[:surplus])
-            idle = idle[surplus:]
-            kept = [connection for connection in kept if id(connection) not in doomed]
-        self._connections = kept
+                self._drop(connection)
+            elif connection.is_idle():
+                self._park(connection, origin)
+        while self._idle:
+            connection, origin = next(iter(self._idle.values()))
+            if len(self._idle) <= self._max_keepalive_connections and not connection.has_expired():
+                break
+            self._unpark(connection, origin)
+            self._drop(connection)
+            closing.append(connection)
         for request in self._requests:
-            if not request.is_queued():
+            if request.connection is not None:
                 continue
-            origin = request.request.url.origin
-            free = next(
-                (c for c in idle if c.can_handle_request(origin) and c.is_available()), None
-            )
-            if free is not None:
-                idle.remove(free)  # one request per idle connection and pass
-            else:
+            free = self._take_idle(_origin_key(request), closing)
+            if free is None:
                 if len(self._connections) >= self._max_connections:
-                    if not idle:
+                    if not self._idle:
                         continue  # it waits for a connection to come free
-                    spare = idle.pop(0)
-                    self._connections.remove(spare)
+                    spare, spare_origin = next(iter(self._idle.values()))
+                    self._unpark(spare, spare_origin)
+                    self._drop(spare)
                     closing.append(spare)
-                free = self.create_connection(origin)
+                free = self.create_connection(request.request.url.origin)
                 self._connections.append(free)
             request.assign_to_connection(free)
         return closing
+
+    def _take_idle(self, origin: OriginKey, closing: list[Connection]) -> Connection | None:
+        """The newest idle connection to ``origin`` still usable; expired ones met are closed."""
+        bucket = self._idle_by_origin.get(origin)
+        while bucket:
+            connection = next(reversed(bucket.values()))
+            self._unpark(connection, origin)
+            if connection.is_closed():
+                self._drop(connection)
+            elif connection.has_expired() or not connection.is_available():
+                self._drop(connection)
+                closing.append(connection)
+            else:
+                return connection
+        return None
+
+    def _park(self, connection: Connection, origin: OriginKey) -> None:
+        key = id(connection)
+        self._idle.pop(key, None)  # a repeat moves it to the newest end
+        self._idle[key] = (connection, origin)
+        bucket = self._idle_by_origin.setdefault(origin, {})
+        bucket.pop(key, None)
+        bucket[key] = connection
+
+    def _unpark(self, connection: Connection, origin: OriginKey) -> None:
+        key = id(connection)
+        self._idle.pop(key, None)
+        bucket = self._idle_by_origin.get(origin)
+        if bucket is not None:
+            bucket.pop(key, None)
+            if not bucket:
+                del self._idle_by_origin[origin]
+
+    def _drop(self, connection: Connection) -> None:
+        with contextlib.suppress(ValueError):  # already gone from the pool
+            self._connections.remove(connection)
+
+    def _sweep(self) -> None:
+        """Drop closed connections that no request released (a request that met a closed
+        connection is queued again without being removed)."""
+        for connection in [c for c in self._connections if c.is_closed()]:
+            parked = self._idle.get(id(connection))
+            if parked is not None:
+                self._unpark(*parked)
+            self._drop(connection)
 
 
 def http_transport(limits: httpx.Limits, *, retries: int = 0) -> httpx.AsyncHTTPTransport:
@@ -95,4 +181,5 @@ def http_transport(limits: httpx.Limits, *, retries: int = 0) -> httpx.AsyncHTTP
     if type(pool) is not httpcore.AsyncConnectionPool or pool._http2:
         raise RuntimeError(f"http_transport expects httpcore's HTTP/1.1 pool, not {pool!r}")
     pool.__class__ = LinearConnectionPool  # the same state; only the pass differs
+    cast(LinearConnectionPool, pool).adopt()
     return transport

@@ -8,6 +8,7 @@ data path, live. :func:`http_transport` is ``httpx.AsyncHTTPTransport`` with the
 
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterable
 from typing import Final, cast
@@ -21,6 +22,13 @@ Connection = AsyncConnectionInterface
 OriginKey = tuple[bytes, bytes, int]
 SWEEP_EVERY: Final = 256
 """Passes between two sweeps of every connection for closed ones no request released."""
+CLOSES_PER_PASS: Final = 2
+"""Most connections one pass hands back to be closed; the rest wait for the next passes (D385).
+
+httpcore awaits those closes in the task whose request started or ended the pass, one event-loop
+turn each, and that request may already hold a pooled connection it has not used yet. At 2,000
+in flight a pass that closed hundreds of expired connections kept such a request from sending
+for 28-51 s, past the server's 30 s keep-alive: ``ReadError('')``."""
 
 
 def _origin_key(request: AsyncPoolRequest) -> OriginKey:
@@ -71,12 +79,15 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
     ``max_keepalive_connections``: closed), and the queued requests, each of which gets the
     newest idle connection of its origin that has not expired, or a new one. A connection
     handed to a request has left the idle ones, so no pass can close it under that request.
-    HTTP/1.1 only: a connection serves one request at a time.
+    Connections to close wait in a queue, and a pass hands back at most ``CLOSES_PER_PASS`` of
+    them (D385), unless room for a new connection is needed at once. HTTP/1.1 only: a
+    connection serves one request at a time.
     """
 
     _requests: _Requests
     _idle: dict[int, tuple[Connection, OriginKey]]
     _idle_by_origin: dict[OriginKey, dict[int, Connection]]
+    _doomed: collections.deque[Connection]
     _passes: int
 
     def adopt(self) -> None:
@@ -84,6 +95,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
         self._requests = _Requests(self._requests)
         self._idle = {}
         self._idle_by_origin = {}
+        self._doomed = collections.deque()  # still in the pool until handed back to be closed
         self._passes = 0
 
     def _assign_requests_to_connections(self) -> list[Connection]:
@@ -102,27 +114,33 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
             if len(self._idle) <= self._max_keepalive_connections and not connection.has_expired():
                 break
             self._unpark(connection, origin)
-            self._drop(connection)
-            closing.append(connection)
+            self._doomed.append(connection)
         for request in self._requests:
             if request.connection is not None:
                 continue
-            free = self._take_idle(_origin_key(request), closing)
+            free = self._take_idle(_origin_key(request))
             if free is None:
                 if len(self._connections) >= self._max_connections:
-                    if not self._idle:
+                    if self._idle:
+                        spare, spare_origin = next(iter(self._idle.values()))
+                        self._unpark(spare, spare_origin)
+                    elif self._doomed:
+                        spare = self._doomed.popleft()
+                    else:
                         continue  # it waits for a connection to come free
-                    spare, spare_origin = next(iter(self._idle.values()))
-                    self._unpark(spare, spare_origin)
-                    self._drop(spare)
+                    self._drop(spare)  # closed now: its room is needed at once
                     closing.append(spare)
                 free = self.create_connection(request.request.url.origin)
                 self._connections.append(free)
             request.assign_to_connection(free)
+        while self._doomed and len(closing) < CLOSES_PER_PASS:
+            doomed = self._doomed.popleft()
+            self._drop(doomed)
+            closing.append(doomed)
         return closing
 
-    def _take_idle(self, origin: OriginKey, closing: list[Connection]) -> Connection | None:
-        """The newest idle connection to ``origin`` still usable; expired ones met are closed."""
+    def _take_idle(self, origin: OriginKey) -> Connection | None:
+        """The newest idle connection to ``origin`` still usable; expired ones met are doomed."""
         bucket = self._idle_by_origin.get(origin)
         while bucket:
             connection = next(reversed(bucket.values()))
@@ -130,8 +148,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
             if connection.is_closed():
                 self._drop(connection)
             elif connection.has_expired() or not connection.is_available():
-                self._drop(connection)
-                closing.append(connection)
+                self._doomed.append(connection)
             else:
                 return connection
         return None

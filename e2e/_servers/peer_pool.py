@@ -27,13 +27,15 @@ starved may send a request seconds after it took the connection from its pool: a
 flight on two cores, two episodes ended in ``ReadError('')`` with a 5 s keep-alive (D374)."""
 
 PEER_POOL: Final = httpx.Limits(
-    max_connections=None, max_keepalive_connections=64, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S
+    max_connections=None, max_keepalive_connections=512, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S
 )
-"""No cap on connections; 64 idle ones are kept for reuse, each for at most 2 s. uvicorn closes
+"""No cap on connections; 512 idle ones are kept for reuse, each for at most 2 s. uvicorn closes
 a connection idle for 5 s; with httpx's default of 5 s too, a client sometimes sent its request
 down a connection the server was closing and read nothing back (``ReadError('')``: 4 rollouts of
 1,000 in the first ``drill --rollouts 1000 --workers 2``). Expiring idle connections well before
-the server does removes that race."""
+the server does removes that race. With thousands in flight, replies come back in bursts of
+hundreds: keeping 64 idle ones closed most of a burst, and the next burst opened them again
+(D385)."""
 
 CONTROLLER_POOL: Final = httpx.Limits(
     max_connections=100, max_keepalive_connections=20, keepalive_expiry=IDLE_CONNECTION_EXPIRY_S

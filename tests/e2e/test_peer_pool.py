@@ -168,3 +168,30 @@ async def test_a_pass_looks_at_the_connections_it_must_not_at_every_busy_one(
     # Two passes a call, each looking at a handful of connections: not at the 100 busy ones
     # (httpcore's pass, and D381's, looked at each of them every time: 4,000 looks or more).
     assert during[0] <= 20 * 10, f"20 calls looked at connections {during[0]} times"
+
+
+async def test_a_pass_hands_back_at_most_two_connections_to_close() -> None:
+    """D385: httpcore awaits a pass's closes, one event-loop turn each, in the task of the request
+    that ran it, which may already hold its own connection. At 2,000 in flight a pass that closed
+    hundreds of expired connections kept such requests from sending for 28-51 s, past the
+    server's 30 s keep-alive."""
+    server = _KeepAliveServer()
+    limits = httpx.Limits(max_keepalive_connections=64, keepalive_expiry=0.05)
+    async with (
+        server.running() as url,
+        httpx.AsyncClient(base_url=url, transport=http_transport(limits)) as client,
+    ):
+        pool = client._transport._pool  # type: ignore[attr-defined]
+        assert isinstance(pool, LinearConnectionPool)
+        replies = await asyncio.gather(*(client.get("/quick") for _ in range(20)))
+        assert all(reply.status_code == 200 for reply in replies)
+        assert len(pool.connections) == 20
+        await asyncio.sleep(0.1)  # every idle connection has expired
+        closes = []
+        for _ in range(12):  # the passes of twelve requests' starts and ends
+            closing = pool._assign_requests_to_connections()
+            closes.append(len(closing))
+            await pool._close_connections(closing)
+        assert closes == [2] * 10 + [0, 0], closes
+        assert pool.connections == []
+        assert (await client.get("/quick")).status_code == 200  # a new connection

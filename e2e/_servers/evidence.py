@@ -16,7 +16,12 @@ from participants import fsync_directory, make_directory_durable
 
 
 class EvidenceLog:
-    """One append-only JSON-lines file.
+    """One append-only JSON-lines file, written by group commit.
+
+    Appends from many threads at once share one ``write`` and one ``fsync``: the first caller to
+    find no write under way writes every line queued so far, and each caller returns only once a
+    sync covering its own line has finished (D386). A failed write or sync fails every append it
+    carried, and only those.
 
     Args:
         path: The file; its directory is created durably when missing.
@@ -25,21 +30,59 @@ class EvidenceLog:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
         make_directory_durable(self.path.parent)
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
+        self._pending: list[bytes] = []
+        self._queued = 0  # tickets handed out
+        self._durable = 0  # every ticket up to this one is on disk
+        self._failed: list[tuple[int, int, BaseException]] = []  # (after, through, error)
+        self._writing = False
 
     def append(self, event: dict[str, Any]) -> None:
-        """Append ``event`` as one line and fsync it (blocking: call from a worker thread)."""
-        line = json.dumps(event, sort_keys=True, separators=(",", ":")) + "\n"
-        with self._lock:
-            created = not self.path.exists()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line.encode("utf-8"))
-                os.fsync(fd)  # the event must be on disk before the server acts on it
-            finally:
-                os.close(fd)
-            if created:
-                fsync_directory(self.path.parent)  # a new file's name must survive a crash too
+        """Append ``event`` as one line and fsync it (blocking: call from a worker thread).
+
+        Raises:
+            OSError: The write or sync that carried this line failed.
+        """
+        line = (json.dumps(event, sort_keys=True, separators=(",", ":")) + "\n").encode("utf-8")
+        with self._cond:
+            self._pending.append(line)
+            self._queued += 1
+            ticket = self._queued
+            while self._durable < ticket:
+                if self._writing:
+                    self._cond.wait()
+                    continue
+                batch, self._pending = self._pending, []
+                first, through = self._durable, self._queued
+                self._writing = True
+                self._cond.release()
+                try:
+                    self._write(b"".join(batch))
+                except BaseException as exc:
+                    self._cond.acquire()
+                    self._writing = False
+                    self._failed.append((first, through, exc))
+                    self._durable = through  # settled, as failed: later lines need a new write
+                    self._cond.notify_all()
+                    raise
+                self._cond.acquire()
+                self._writing = False
+                self._durable = through
+                self._cond.notify_all()
+            for after, through, error in self._failed:
+                if after < ticket <= through:
+                    raise error
+
+    def _write(self, data: bytes) -> None:
+        created = not self.path.exists()
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, data)
+            os.fsync(fd)  # every event must be on disk before the server acts on it
+        finally:
+            os.close(fd)
+        if created:
+            fsync_directory(self.path.parent)  # a new file's name must survive a crash too
 
     def read(self) -> list[dict[str, Any]]:
         """Every event so far."""

@@ -105,7 +105,7 @@ class HttpAgentPeers:
             )
         except httpx.TransportError as exc:  # how far it got decides if it may have run (D382)
             raise InternalError(
-                f"the policy server call of {session_key} failed: {exc!r}; {phase.describe()}"[:500]
+                phase.broke(f"the policy server call of {session_key}", exc)
             ) from exc
         if reply.status_code != 200:
             raise self._refusal(reply, "the policy server")
@@ -126,8 +126,7 @@ class HttpAgentPeers:
             )
         except httpx.TransportError as exc:
             raise InternalError(
-                f"the resources tool call {tool} of {session_key} failed: {exc!r}; "
-                f"{phase.describe()}"[:500]
+                phase.broke(f"the resources tool call {tool} of {session_key}", exc)
             ) from exc
         if reply.status_code != 200:
             raise self._refusal(reply, "the resources server")

@@ -53,17 +53,22 @@ class CallPhase:
         connection = "a new connection" if self.connects else "a pooled connection"
         return f"{where} (sent on {connection} {self.sent_after:.1f} s after the call began)"
 
+    def broke(self, what: str, error: Exception) -> str:
+        """The detail of a call whose connection broke: ``<what> failed: <error>; <where>``."""
+        return f"{what} failed: {error!r}; {self.describe()}"[:500]
+
     def _where(self) -> str:
         event = self.event
         if not event:
             return "it never left the client: no connection was free or made yet"
-        if event.startswith(_CONNECTING) or event == "connection.connect_tcp.failed":
+        if event.startswith(_CONNECTING):
             tries = "try" if self.connects == 1 else "tries"
             return f"no connection was made ({self.connects} {tries})"
         if event == "connection.connect_tcp.complete" or event.startswith(_SENDING):
             return "the connection was made; the request was being sent"
-        if event.startswith("http11.receive_response_headers.") and not event.endswith(".complete"):
-            return "the whole request was sent; no answer had come"
-        if event == "http11.send_request_body.complete":
+        waiting = event.startswith("http11.receive_response_headers.") and not event.endswith(
+            ".complete"
+        )
+        if waiting or event == "http11.send_request_body.complete":
             return "the whole request was sent; no answer had come"
         return "the answer had begun; it was being read"

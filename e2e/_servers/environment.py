@@ -180,7 +180,7 @@ class HttpEnvironmentPeers:
                 f"{phase.describe()}"
             ) from None
         except httpx.TransportError as exc:  # the connection broke: say which call it was
-            raise InternalError(f"{what} failed: {exc!r}; {phase.describe()}") from exc
+            raise InternalError(phase.broke(what, exc)) from exc
 
     async def seed_resources(self, key: str, task_input: dict[str, Any]) -> SeededSession:
         """``POST /ng-rollout/<key>/seed_session``; notes the verify mode and restart flag."""

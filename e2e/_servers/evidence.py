@@ -55,20 +55,20 @@ class EvidenceLog:
                 batch, self._pending = self._pending, []
                 first, through = self._durable, self._queued
                 self._writing = True
+                failure: BaseException | None = None
                 self._cond.release()
                 try:
                     self._write(b"".join(batch))
                 except BaseException as exc:
-                    self._cond.acquire()
-                    self._writing = False
-                    self._failed.append((first, through, exc))
-                    self._durable = through  # settled, as failed: later lines need a new write
-                    self._cond.notify_all()
+                    failure = exc
                     raise
-                self._cond.acquire()
-                self._writing = False
-                self._durable = through
-                self._cond.notify_all()
+                finally:
+                    self._cond.acquire()
+                    if failure is not None:
+                        self._failed.append((first, through, failure))
+                    self._writing = False
+                    self._durable = through  # settled; a failed batch's lines raise below
+                    self._cond.notify_all()
             for after, through, error in self._failed:
                 if after < ticket <= through:
                     raise error

@@ -11,6 +11,7 @@ import typer.rich_utils
 from typer.core import TyperOption
 
 from .._launch.lifeline import hold_lifeline, terminate_as_interrupt
+from .._launch.limits import raise_open_file_limit
 
 COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cli.version",
@@ -68,9 +69,12 @@ def main() -> None:
 
     A process the harness started dies with its parent (its lifeline, D242). Every command but
     ``serve`` cleans up on SIGTERM and SIGHUP as on Ctrl-C; a server keeps its own handlers
-    (uvicorn's, or the main process's of a server with several processes).
+    (uvicorn's, or the main process's of a server with several processes). Every process may
+    open as many files as its hard limit allows, up to what tens of thousands of rollouts in
+    flight need (D387); the processes it starts inherit that.
     """
     hold_lifeline()
+    raise_open_file_limit()
     app = build_app()
     if sys.argv[1:2] == ["serve"]:
         app()

@@ -21,6 +21,7 @@ from .._drill.oracle import ERROR_FIGURES
 from .._drill.progress import DrillProgress
 from .._drill.run import run_drill
 from .._drill.store import DISK
+from .._launch.limits import open_files_problem
 from .._sequences.cases import NAMED_CASES
 from .._sequences.suite import REFERENCE_LENGTH, REFERENCE_ROLLOUTS
 from .._worker.engines import DEFAULT_ENGINE, engine_names
@@ -233,6 +234,8 @@ def register(app: typer.Typer) -> None:
             rollouts = REFERENCE_ROLLOUTS if sequences else 8
         if concurrency is None:
             concurrency = default_concurrency(rollouts)
+        if (problem := open_files_problem(min(concurrency, rollouts))) is not None:
+            usage_error(problem)  # before anything starts, not as EMFILE halfway through
         options = DrillOptions(
             rollouts=rollouts,
             checkpoints=checkpoints,

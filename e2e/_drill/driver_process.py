@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import selectors
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from .._launch.lifeline import Lifeline
 
@@ -151,12 +152,25 @@ class DriverProcess:
         self._log.close()
 
 
+_ERROR_LINE: Final = re.compile(r"^[\s|+]*((?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception)\b.*)$")
+"""A traceback's last line (``OSError: [Errno 24] …``), with an exception group's ``| `` margin."""
+_WORD: Final = re.compile(r"\w")
+
+
 def _last_line(path: Path, tail: int = 4096) -> str:
-    """The last non-empty line of ``path`` (its last ``tail`` bytes read), ``""`` if none."""
+    """What the end of ``path`` (its last ``tail`` bytes) says went wrong: the last line that
+    names an error, else the last line with a word in it; ``""`` if none.
+
+    A controller that dies of an exception group ends its log with the group's frame
+    (``+------``); the error of its last sub-exception is the line a person needs (D387).
+    """
     try:
         with open(path, "rb") as handle:
             handle.seek(max(0, handle.seek(0, os.SEEK_END) - tail))
             lines = handle.read().decode(errors="replace").splitlines()
     except OSError:
         return ""
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")[:300]
+    for line in reversed(lines):
+        if found := _ERROR_LINE.match(line):
+            return found.group(1).strip()[:300]
+    return next((line.strip() for line in reversed(lines) if _WORD.search(line)), "")[:300]

@@ -65,6 +65,12 @@ from ._resources.models import (
 from ._resources.participant import ResourcesParticipant
 from ._runtime.clock import Clock, ManualClock
 from ._runtime.kill_points import KILL_BOUNDARIES, read_kill_announcements
+from ._runtime.limits import (
+    OPEN_FILES_TARGET,
+    OpenFileLimit,
+    open_files_needed,
+    raise_open_file_limit,
+)
 from ._runtime.participant import BaseParticipant, ChangeNotifier, Participant, Record
 from ._runtime.plane import ControlPlane
 from ._runtime.report import build_report
@@ -98,6 +104,7 @@ __all__ = [
     "DEFAULT_ADMISSION_WAIT_SECONDS",
     "FANOUT_SOCKET_ENV",
     "KILL_BOUNDARIES",
+    "OPEN_FILES_TARGET",
     "RESOURCES_MODES",
     "SERVER_TELEMETRY",
     "SOCKET_OWNER_FILE",
@@ -135,6 +142,7 @@ __all__ = [
     "ModelParticipant",
     "ModelProcessFanout",
     "ModelTicket",
+    "OpenFileLimit",
     "Participant",
     "ParticipantCheckpoint",
     "Placement",
@@ -171,9 +179,11 @@ __all__ = [
     "listen_private",
     "live_ledger_keys",
     "make_directory_durable",
+    "open_files_needed",
     "participant_app",
     "private_socket_path",
     "put_entries",
+    "raise_open_file_limit",
     "read_kill_announcements",
     "read_participant_checkpoint",
     "rebuild_generation_cut",

@@ -85,6 +85,8 @@ PUBLIC = {
         # server-side tracing (D318, D321)
         "SERVER_TELEMETRY", "checkpoint_span", "continued", "current_traceparent",
         "inject_headers", "set_checkpoint_attributes", "tracing_on",
+        # the open-file limit of a server carrying thousands in flight (D387)
+        "OPEN_FILES_TARGET", "OpenFileLimit", "open_files_needed", "raise_open_file_limit",
     ],
     "coordinator": [
         "CHECKPOINTS_SUBDIR", "CHECKPOINT_FILE", "LATEST_FILE", "CheckpointManifest",

@@ -10,8 +10,9 @@ import typer
 import typer.rich_utils
 from typer.core import TyperOption
 
+from participants import raise_open_file_limit
+
 from .._launch.lifeline import hold_lifeline, terminate_as_interrupt
-from .._launch.limits import raise_open_file_limit
 
 COMMAND_MODULES: Final[tuple[str, ...]] = (
     "e2e._cli.version",

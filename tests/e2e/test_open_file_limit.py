@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from e2e._drill.driver_process import _last_line
-from e2e._launch.limits import OPEN_FILES_TARGET, files_needed
+from participants import OPEN_FILES_TARGET, open_files_needed
 
 SOFT, HARD = resource.getrlimit(resource.RLIMIT_NOFILE)
 
@@ -77,14 +77,14 @@ def test_a_drill_the_hard_limit_cannot_carry_is_refused_in_one_line_before_it_st
     assert completed.returncode == 2, completed.stderr[-2000:]
     lines = completed.stderr.strip().splitlines()
     assert len(lines) == 1, lines
-    assert f"--concurrency 300 needs about {files_needed(300):,} open files" in lines[0]
+    assert f"--concurrency 300 needs about {open_files_needed(300):,} open files" in lines[0]
     assert "allows 256" in lines[0] and "ulimit -Hn" in lines[0]
     assert not (tmp_path / "run").exists()  # nothing started
 
 
 def test_the_default_drill_fits_the_usual_soft_limit() -> None:
     # The quick start's drill (8 rollouts) and the 1,000 (250 at once) need no raise.
-    assert files_needed(8) < 1024 and files_needed(250) < 1024
+    assert open_files_needed(8) < 1024 and open_files_needed(250) < 1024
 
 
 def test_a_controller_killed_by_an_exception_group_is_reported_by_its_error(

@@ -13,7 +13,7 @@ def open_files_problem(in_flight: int, flag: str = "--concurrency") -> str | Non
     """
     need = open_files_needed(in_flight)
     limit = raise_open_file_limit(max(OPEN_FILES_TARGET, need))
-    if need <= limit.soft:
+    if limit.soft is None or need <= limit.soft:
         return None
     hard = "unlimited" if limit.hard is None else f"{limit.hard:,}"
     return (

@@ -36,12 +36,12 @@ class OpenFileLimit:
     """A process's limit on open files after :func:`raise_open_file_limit`.
 
     Attributes:
-        soft: What the process may open now.
+        soft: What the process may open now (``None``: unlimited).
         hard: The most the soft limit could be raised to (``None``: unlimited).
         raised_from: The soft limit before, when it was raised; ``None`` when left as it was.
     """
 
-    soft: int
+    soft: int | None
     hard: int | None
     raised_from: int | None = None
 
@@ -62,7 +62,7 @@ def raise_open_file_limit(target: int = OPEN_FILES_TARGET) -> OpenFileLimit:
     want = target if ceiling is None else min(target, ceiling)
     current = _finite(soft)
     if current is None or current >= want:
-        return OpenFileLimit(soft=want if current is None else current, hard=ceiling)
+        return OpenFileLimit(soft=current, hard=ceiling)
     try:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
     except (ValueError, OSError):

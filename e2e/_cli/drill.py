@@ -52,6 +52,7 @@ SHOWN = (
     "cut_continued",
     "extra_tokens_generated",
     "prefix_mismatches",
+    "commits_retried",
     "continuation_redecode_mismatches",
     "continuation_divergence",
     "stale_probes",

@@ -19,8 +19,14 @@ from pathlib import Path
 import anyio
 import anyio.lowlevel
 
-from coordinator import CheckpointTrace, PrepareResult, checkpoint_trace, hosted_on_ray
-from protocols import EpisodeId, open_store
+from coordinator import (
+    CheckpointTrace,
+    CoordinationError,
+    PrepareResult,
+    checkpoint_trace,
+    hosted_on_ray,
+)
+from protocols import DeadlineExceededError, EpisodeId, open_store
 
 from .._servers.cluster import (
     DEFAULT_NAMES,
@@ -31,6 +37,7 @@ from .._servers.cluster import (
 )
 from .._servers.evidence import read_evidence
 from .._trace.setup import configure_tracing
+from .control import CommitOutcome
 from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
 from .hosting import RAY_NAMESPACE_ENV
 from .plan import ControllerState, DriverPlan, task_of
@@ -39,6 +46,10 @@ from .probes import ResourcesProbe, send_probes
 CUT_RETRIES = 6
 """Commits a phase may abandon so that the checkpoint its crash restores carries a cut and a
 delivered call (D155, D232, D360); the last try is published whatever it carries."""
+COMMIT_SENDS = 3
+"""Most times one commit is sent. A commit refused only because its deadline passed
+(``deadline_exceeded``: the write it started goes on) is sent again with the same id and a fresh
+deadline, and picks that write up (control-plane, commit steps 3 and 4; D388)."""
 
 
 def remove_checkpoint(location: str) -> None:
@@ -49,6 +60,12 @@ def remove_checkpoint(location: str) -> None:
 def _cuts_taken(prepared: PrepareResult) -> int:
     """The generations the model server cut when it closed admission (its ``cut`` count)."""
     return sum(reply.report.counts.get("cut", 0) for reply in prepared.replies.values())
+
+
+def _out_of_time(error: CoordinationError) -> bool:
+    """Whether every participant that refused the commit refused it for its deadline alone."""
+    causes = error.causes.values()
+    return bool(causes) and all(isinstance(cause, DeadlineExceededError) for cause in causes)
 
 
 class Driver(RolloutDispatcher):
@@ -115,7 +132,7 @@ class Driver(RolloutDispatcher):
         # A controller saves its own state between prepare and commit; meanwhile the generations
         # in flight finish and their responses are held, so the commit must leave their rows out.
         await anyio.sleep(self.plan.commit_delay_s)
-        commit = await self.control.commit(checkpoint_id, deadline, directory, episodes)
+        commit = await self._commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
         exported = set(commit.environment_episode_ids())
         # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
@@ -158,6 +175,31 @@ class Driver(RolloutDispatcher):
         await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
         self.say(f"checkpointed {checkpoint_id}")
         return True
+
+    async def _commit(
+        self, checkpoint_id: str, deadline: float, directory: str, episodes: list[EpisodeId]
+    ) -> CommitOutcome:
+        """Commit; a commit every refusing participant refused for time alone is sent again.
+
+        A prepare that waited long for thousands of episodes to park can leave the commit a
+        second of the checkpoint's deadline. Each participant that ran out of time keeps writing
+        what it exported, so the same commit, sent again with a fresh deadline, finds the write
+        and waits for it instead of exporting again (D388).
+
+        Raises:
+            CoordinationError: Any other refusal, or still out of time after ``COMMIT_SENDS``.
+        """
+        sent = 1
+        while True:
+            try:
+                return await self.control.commit(checkpoint_id, deadline, directory, episodes)
+            except CoordinationError as error:
+                if sent >= COMMIT_SENDS or not _out_of_time(error):
+                    raise
+                refused = sorted(error.failures)
+            sent += 1
+            deadline = time.time() + DEADLINE_SECONDS
+            await self.log({"event": "commit_retried", "id": checkpoint_id, "refused": refused})
 
     async def _abandon(self, checkpoint_id: str, why: str, committed: str | None = None) -> bool:
         """Resume without publishing (removing what was ``committed``, if anything); False."""

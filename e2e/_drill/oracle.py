@@ -382,6 +382,7 @@ def compute_figures(
         "prefix_mismatches": prefix_mismatches(
             continued if continued is not None else continued_calls(run_root)
         ),
+        "commits_retried": sum(1 for e in driver if e.get("event") == "commit_retried"),
         "stale_probes": len(probes),
         "stale_probes_per_crash": [probes_per_crash[i] for i in range(1, len(crashes) + 1)],
         "stale_accepted": sum(1 for p in probes if p.get("accepted")),

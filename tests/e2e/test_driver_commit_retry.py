@@ -1,0 +1,134 @@
+"""The drill controller sends a commit again when it ran out of time, and only then (D388).
+
+With thousands of episodes to park, a prepare can take most of the checkpoint's deadline, and
+the commit is then refused with ``deadline_exceeded`` while the participants go on writing. The
+error table says to retry with the same id: the retry finds the write under way and waits for it
+instead of exporting again. These tests drive the real driver against real control planes
+(``tests/coordinator/deployment.py``) whose export takes longer than the deadline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+import e2e._drill.driver as driver_module
+from coordinator import CoordinationError
+from e2e._drill.driver import COMMIT_SENDS, Driver
+from e2e._drill.plan import DriverPlan
+from e2e._servers.cluster import default_cluster
+from e2e._servers.evidence import read_evidence
+from participants import Record
+from protocols import DeadlineExceededError, EpisodeId, InvalidPhaseError
+from tests.coordinator.deployment import Deployment, deployment
+
+pytestmark = pytest.mark.anyio
+
+SHAPE = (("environment", "environment"), ("resources", "resources"))
+
+
+def _driver(tmp_path: Path, d: Deployment) -> Driver:
+    plan = DriverPlan(
+        rollouts=["r1"], task_input={}, phase=0, checkpoints=1, crash_after=False, commit_delay_s=0
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    driver.control._coordinator = d.coordinator  # the real coordinator over in-process planes
+    driver.in_flight = {"r1": 0}
+    return driver
+
+
+def _slow_environment(d: Deployment, seconds: float) -> list[str]:
+    """Make the environment's export take ``seconds``, longer than the deadline; its calls."""
+    fake = d.fakes["environment"]
+    fake.episodes = [EpisodeId(rollout_id="r1")]
+    calls: list[str] = []
+    export = fake.export
+
+    async def slow(episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
+        calls.append("export")
+        await anyio.sleep(seconds)
+        return await export(episode_ids)
+
+    fake.export = slow  # type: ignore[method-assign]
+    return calls
+
+
+def _events(driver: Driver, name: str) -> list[dict[str, Any]]:
+    return [e for e in read_evidence(driver.evidence.path) if e["event"] == name]
+
+
+async def test_a_commit_out_of_time_is_sent_again_and_published_from_one_export(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(driver_module, "DEADLINE_SECONDS", 0.6)
+    async with deployment(SHAPE) as d:
+        slow = _slow_environment(d, 1.2)
+        driver = _driver(tmp_path, d)
+        try:
+            assert await driver.checkpoint(0)
+        finally:
+            await driver.http.aclose()
+        retried = _events(driver, "commit_retried")
+        assert 1 <= len(retried) < COMMIT_SENDS
+        assert retried[0]["id"] == "ckpt-0-0" and retried[0]["refused"] == ["environment"]
+        assert slow == ["export"]  # the retry waited for the first export's write
+        published = _events(driver, "checkpoint")
+        assert [e["continued"] for e in published] == [["r1"]]
+        assert (tmp_path / "checkpoints" / "ckpt-0-0" / "checkpoint.json").is_file()
+
+
+async def test_a_commit_still_out_of_time_after_the_last_send_fails_the_controller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(driver_module, "DEADLINE_SECONDS", 0.3)
+    async with deployment(SHAPE) as d:
+        slow = _slow_environment(d, 0.3 * (COMMIT_SENDS + 2))
+        driver = _driver(tmp_path, d)
+        try:
+            with pytest.raises(CoordinationError, match="deadline_exceeded"):
+                await driver.checkpoint(0)
+        finally:
+            await driver.http.aclose()
+        assert len(_events(driver, "commit_retried")) == COMMIT_SENDS - 1
+        assert slow == ["export"]
+        assert not (tmp_path / "checkpoints" / "ckpt-0-0" / "checkpoint.json").exists()
+
+
+async def test_a_commit_refused_for_anything_but_time_is_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    async with deployment(SHAPE) as d:
+        d.fakes["environment"].episodes = [EpisodeId(rollout_id="r1")]
+        driver = _driver(tmp_path, d)
+        sent: list[str] = []
+        commit = driver.control.commit
+
+        async def regressed_then_commit(*args: object) -> object:
+            # Readiness regressed between prepare and commit (a held response delivered): the
+            # participant refuses with invalid_phase, which no fresh deadline can change.
+            sent.append(str(args[0]))
+            d.fakes["resources"].ready_now = False
+            return await commit(*args)  # type: ignore[arg-type]
+
+        driver.control.commit = regressed_then_commit  # type: ignore[method-assign]
+        try:
+            with pytest.raises(CoordinationError, match="invalid_phase") as caught:
+                await driver.checkpoint(0)
+        finally:
+            await driver.http.aclose()
+        assert sent == ["ckpt-0-0"]
+        assert isinstance(caught.value.causes["resources"], InvalidPhaseError)
+        assert _events(driver, "commit_retried") == []
+
+
+def test_only_a_refusal_for_time_by_every_refusing_participant_counts_as_out_of_time() -> None:
+    late = DeadlineExceededError("the deadline passed during the write")
+    other = InvalidPhaseError("no longer ready to commit")
+    assert driver_module._out_of_time(CoordinationError("commit", {"a": "x"}, {"a": late}))
+    both = CoordinationError("commit", {"a": "x", "b": "y"}, {"a": late, "b": other})
+    assert not driver_module._out_of_time(both)
+    assert not driver_module._out_of_time(CoordinationError("commit", {}, {}))

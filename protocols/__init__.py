@@ -72,7 +72,9 @@ from ._errors import (
 from ._hashes import compute_chain_hash, hash_token_ids
 from ._ids import (
     EpisodeId,
+    attempts_through,
     capture_key,
+    keys_covered_by,
     refuse_unrestorable,
     sorted_capture_keys,
     validate_checkpoint_id,
@@ -295,6 +297,7 @@ __all__ = [
     "WireError",
     "admission_from_resolution",
     "as_request_items",
+    "attempts_through",
     "attribute",
     "build_manifest",
     "call_span",
@@ -322,6 +325,7 @@ __all__ = [
     "is_object_store_url",
     "is_records_file_name",
     "key_under",
+    "keys_covered_by",
     "make_directory_durable",
     "manifest_from_rows",
     "next_phase",

@@ -220,3 +220,38 @@ def capture_key(rollout_id: str, attempt: int = 0) -> str:
 def sorted_capture_keys(episode_ids: Iterable[EpisodeId]) -> list[str]:
     """The sorted, de-duplicated capture keys of some episodes: how scopes are compared."""
     return sorted({episode.capture_key for episode in episode_ids})
+
+
+def attempts_through(retired: Iterable[EpisodeId]) -> dict[str, int]:
+    """Rollout id → the highest attempt of it that ``retired`` names.
+
+    Retiring every episode of ``retired`` covers attempt ``a`` of rollout ``r`` exactly when
+    ``a <= attempts_through(retired).get(r, -1)``: one dictionary lookup per thing checked,
+    however many episodes a retire names (D389).
+    """
+    through: dict[str, int] = {}
+    for episode in retired:
+        through[episode.rollout_id] = max(episode.attempt, through.get(episode.rollout_id, 0))
+    return through
+
+
+def keys_covered_by(keys: Iterable[str], retired: Iterable[EpisodeId]) -> list[str]:
+    """The capture keys among ``keys`` that retiring every episode of ``retired`` covers.
+
+    ``[k for k in keys if any(e.covers(EpisodeId.from_capture_key(k)) for e in retired)]``,
+    in one pass over each: a retire of thousands of attempts, checked against the thousands a
+    server tracks, cost a key parse per pair, 21 s for 835 retires against 6,330 keys (D389).
+    ``keys`` are capture keys the server made itself, so each is split, not validated again: a
+    key of a rollout ``retired`` does not name is never covered, whatever its form.
+    """
+    through = attempts_through(retired)
+    covered = []
+    for key in keys:
+        head, dash, tail = key.rpartition("-a")
+        if dash and tail.isdigit() and tail[0] != "0" and tail.isascii():
+            rollout, attempt = head, int(tail)
+        else:
+            rollout, attempt = key, 0
+        if attempt <= through.get(rollout, -1):
+            covered.append(key)
+    return covered

@@ -27,6 +27,8 @@ from protocols import (
     ParticipantKind,
     PrepareReport,
     StaleAttemptError,
+    attempts_through,
+    keys_covered_by,
 )
 
 from .._runtime.participant import BaseParticipant, Record
@@ -343,11 +345,21 @@ class AgentParticipant(BaseParticipant):
             self.changes.notify()
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Stop and free every session of attempts up to ``episode_id``'s, after its seeds end."""
+        """``retire_many`` of the one attempt."""
+        await self.retire_many([episode_id])
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Stop and free every session of the attempts the batch covers, after their seeds end;
+        one pass over the sessions for the whole batch (D389)."""
         # A seed past admission would otherwise register a session right after we freed them.
-        while any(episode_id.covers(EpisodeId.from_capture_key(k)) for k in self._seeds):
+        while keys_covered_by(self._seeds, episode_ids):
             await self._seeds_changed.wait()
-        covered = [s for s in self.sessions.values() if episode_id.covers(s.episode_id)]
+        through = attempts_through(episode_ids)
+        covered = [
+            s
+            for s in self.sessions.values()
+            if s.episode_id.attempt <= through.get(s.episode_id.rollout_id, -1)
+        ]
         for session in covered:
             session.retired = True  # a blocker until freed, so no checkpoint exports it
         self.changes.notify()

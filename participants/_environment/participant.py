@@ -31,6 +31,7 @@ from protocols import (
     PrepareReport,
     StaleAttemptError,
     WireError,
+    keys_covered_by,
     task_digest,
 )
 
@@ -358,14 +359,18 @@ class EnvironmentParticipant(BaseParticipant):
         self.changes.notify()
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Stop every tracked attempt ``episode_id`` covers, wait, then free it and its records."""
-        for key, episode in list(self.steps.episodes.items()):
-            if episode_id.covers(EpisodeId.from_capture_key(key)):
-                await self.steps.stop(episode)
-                self.digests.pop(key, None)
-        for key in list(self.restored):
-            if episode_id.covers(EpisodeId.from_capture_key(key)):
-                del self.restored[key]
+        """``retire_many`` of the one attempt."""
+        await self.retire_many([episode_id])
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Stop every tracked attempt the batch covers, wait, then free it and its records; one
+        pass over what is tracked for the whole batch (D389)."""
+        tracked = dict(self.steps.episodes)
+        for key in keys_covered_by(tracked, episode_ids):
+            await self.steps.stop(tracked[key])
+            self.digests.pop(key, None)
+        for key in keys_covered_by(self.restored, episode_ids):
+            del self.restored[key]
         self.changes.notify()
 
     def status_extra(self) -> dict[str, Any]:

@@ -285,8 +285,13 @@ class ProcessFanout(ShardRoster):
         await self._fan_out(DeleteRestored(episode_id=episode_id))
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Every shard stops and frees the attempt (bounded by the runtime's deadline)."""
-        await self._fan_out(Retire(episode_id=episode_id), within=3600.0)
+        """``retire_many`` of the one attempt."""
+        await self.retire_many([episode_id])
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Every shard stops and frees the attempts, the whole batch in one message each
+        (bounded by the runtime's deadline; D389)."""
+        await self._fan_out(Retire(episode_ids=list(episode_ids)), within=3600.0)
 
     async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
         """Send every shard the whole, current set of refusals (retire marks and restore fences).

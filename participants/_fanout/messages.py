@@ -215,10 +215,10 @@ class Marks(Ask[None]):
 
 
 class Retire(Ask[None]):
-    """Stop and free the attempts ``episode_id`` covers."""
+    """Stop and free the attempts any of ``episode_ids`` covers (one retire request's)."""
 
     kind: Literal["retire"] = "retire"
-    episode_id: EpisodeId
+    episode_ids: list[EpisodeId] = Field(min_length=1)
 
 
 class DeleteRestored(Ask[None]):

@@ -258,7 +258,7 @@ class FanoutShard:
         await self._set_marks(message.marks)
 
     async def _on_retire(self, message: Retire) -> None:
-        await self.participant.retire(message.episode_id)
+        await self.participant.retire_many(message.episode_ids)
 
     async def _on_delete_restored(self, message: DeleteRestored) -> None:
         await self.participant.delete_restored(message.episode_id)

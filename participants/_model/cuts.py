@@ -14,7 +14,7 @@ has started its response, so a re-issued call still undelivered at the next chec
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -28,6 +28,7 @@ from protocols import (
     GenerationCutPrefixAck,
     GenerationCutReceipt,
     GenerationCutRecord,
+    keys_covered_by,
 )
 
 from .._tracing import checkpoint_span, set_checkpoint_attributes
@@ -201,8 +202,7 @@ class RestoredCuts:
             if self.records.get(key) is ticket.claimed_cut:
                 del self.records[key]
 
-    def drop_covered(self, retired: EpisodeId) -> None:
-        """Forget the restored cuts of attempts a retire covers."""
-        for key in list(self.records):
-            if retired.covers(EpisodeId.from_capture_key(key)):
-                del self.records[key]
+    def drop_covered(self, retired: Sequence[EpisodeId]) -> None:
+        """Forget the restored cuts of attempts a retire of ``retired`` covers."""
+        for key in keys_covered_by(self.records, retired):
+            del self.records[key]

@@ -24,7 +24,13 @@ from typing import Any
 import anyio
 import structlog
 
-from protocols import AdmissionClosedError, CheckpointError, EpisodeId, GenerationCutRecord
+from protocols import (
+    AdmissionClosedError,
+    CheckpointError,
+    EpisodeId,
+    GenerationCutRecord,
+    keys_covered_by,
+)
 
 from .._fanout.channel import MESSAGE_TIMEOUT_SECONDS, Dispatch
 from .._fanout.group import ProcessFanout, ShardConnection
@@ -189,13 +195,12 @@ class ModelProcessFanout(ProcessFanout):
         self.cut_claims.pop(episode_id.capture_key, None)
         await super().delete_restored(episode_id)
 
-    async def retire(self, episode_id: EpisodeId) -> None:
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
         """Drop covered restored cuts (a later return of one is ignored), then every shard."""
-        for key in [*self.cuts, *self.cut_claims]:
-            if episode_id.covers(EpisodeId.from_capture_key(key)):
-                self.cuts.pop(key, None)
-                self.cut_claims.pop(key, None)
-        await super().retire(episode_id)
+        for key in keys_covered_by([*self.cuts, *self.cut_claims], episode_ids):
+            self.cuts.pop(key, None)
+            self.cut_claims.pop(key, None)
+        await super().retire_many(episode_ids)
 
     def status_extra(self) -> dict[str, Any]:
         """The shards' fields, with the cuts this fan-out still holds."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -24,6 +24,7 @@ from protocols import (
     EpisodeId,
     GenerationCutPrefixAck,
     GenerationCutRecord,
+    attempts_through,
 )
 
 from .._runtime.marks import RetireMarks
@@ -190,16 +191,20 @@ class ModelGate:
         """Responses waiting at egress now."""
         return sum(t.waiting_at_egress for t in self.tickets.values())
 
-    async def cancel_covered(self, retired: EpisodeId) -> list[ModelTicket]:
-        """Wake waiters (they re-check marks), cancel covered calls and wait until they left.
+    async def cancel_covered(self, retired: Sequence[EpisodeId]) -> list[ModelTicket]:
+        """Wake waiters (they re-check marks), cancel the calls any of ``retired`` covers and
+        wait until they left; one pass over the calls for the whole batch (D389).
 
         Returns:
             The calls cancelled (a retire then stops what they started on their workers).
         """
         self._wake_waiters()
+        through = attempts_through(retired)
         # An untagged call belongs to no attempt: a retire never cancels it.
         covered = [
-            t for t in self.tickets.values() if t.episode is not None and retired.covers(t.episode)
+            t
+            for t in self.tickets.values()
+            if t.episode is not None and t.episode.attempt <= through.get(t.episode.rollout_id, -1)
         ]
         for ticket in covered:
             ticket.scope.cancel()

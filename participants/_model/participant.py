@@ -28,6 +28,7 @@ from protocols import (
     ParticipantKind,
     PrepareReport,
     StaleAttemptError,
+    keys_covered_by,
 )
 
 from .._runtime.clock import Clock, SystemClock
@@ -367,8 +368,14 @@ class ModelParticipant(BaseParticipant):
         await self.ledger.delete_unstarted([episode_id.capture_key])
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Cancel the covered calls and stop them on their workers, then retire ledgers 0..N."""
-        cancelled = await self.gate.cancel_covered(episode_id)
+        """``retire_many`` of the one attempt."""
+        await self.retire_many([episode_id])
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Cancel the covered calls and stop them on their workers, then retire ledgers 0..N of
+        every attempt: one abort per worker and one ledger transaction per batch of keys for the
+        whole request, not one of each per attempt (D389)."""
+        cancelled = await self.gate.cancel_covered(episode_ids)
         if self.call_aborter is not None:
             by_backend: dict[str, list[str]] = {}
             for ticket in cancelled:
@@ -376,11 +383,9 @@ class ModelParticipant(BaseParticipant):
                     by_backend.setdefault(ticket.backend, []).append(ticket.model_call_id)
             for backend, call_ids in sorted(by_backend.items()):
                 await self.call_aborter(backend, call_ids)
-        for key in list(self.restored_targets):
-            if episode_id.covers(EpisodeId.from_capture_key(key)):
-                self.restored_targets.discard(key)
-        self.restored_cuts.drop_covered(episode_id)
-        await self._retire_ledgers([episode_id])
+        self.restored_targets.difference_update(keys_covered_by(self.restored_targets, episode_ids))
+        self.restored_cuts.drop_covered(episode_ids)
+        await self._retire_ledgers(episode_ids)
         self.changes.notify()
 
     async def _retire_ledgers(self, episodes: Sequence[EpisodeId]) -> None:

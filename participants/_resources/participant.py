@@ -31,6 +31,7 @@ from protocols import (
     PrepareReport,
     RetireIncompleteError,
     StaleAttemptError,
+    attempts_through,
     validate_safe_name,
 )
 
@@ -370,9 +371,19 @@ class ResourcesParticipant(BaseParticipant):
     # ----------------------------------------------------------------- retire / forget
 
     async def retire(self, episode_id: EpisodeId) -> None:
-        """Refuse the sessions of ``episode_id`` and earlier attempts, wait for them, free them."""
-        await self.changes.wait_for(lambda: not any(episode_id.covers(e) for e in self.seeds))
-        doomed = [s for s in self.sessions.values() if episode_id.covers(s.episode_id)]
+        """``retire_many`` of the one attempt."""
+        await self.retire_many([episode_id])
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Refuse the sessions of the attempts the batch covers, wait for them, free them; one
+        pass over the sessions for the whole batch (D389)."""
+        through = attempts_through(episode_ids)
+
+        def covered(episode: EpisodeId) -> bool:
+            return episode.attempt <= through.get(episode.rollout_id, -1)
+
+        await self.changes.wait_for(lambda: not any(covered(e) for e in self.seeds))
+        doomed = [s for s in self.sessions.values() if covered(s.episode_id)]
         for session in doomed:
             session.retired = True  # refused from here on, even if this retire is cut short
         self.changes.notify()

@@ -114,6 +114,14 @@ class Participant(Protocol):
         """Stop ``episode_id`` and every earlier attempt, wait until stopped, then free them."""
         ...
 
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """``retire`` of every one of ``episode_ids``: what one retire request asks (D389).
+
+        A participant whose retire does I/O (a ledger's fsync, a round trip to another process)
+        pays it once for the batch here; one that is only memory can leave the default.
+        """
+        ...
+
     async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
         """The marks of these attempts were raised (propagate to shard processes if any)."""
         ...
@@ -176,6 +184,11 @@ class BaseParticipant:
     async def retire(self, episode_id: EpisodeId) -> None:
         """Override: stop and free ``episode_id`` and earlier attempts."""
         raise NotImplementedError
+
+    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
+        """Each in turn, in the request's order."""
+        for episode_id in episode_ids:
+            await self.retire(episode_id)
 
     async def delete_restored(self, episode_id: EpisodeId) -> None:
         """Falls back to retire, which also frees restored state."""

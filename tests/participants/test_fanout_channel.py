@@ -108,7 +108,7 @@ EXAMPLES: dict[type[Ask[Any]], tuple[Ask[Any], Any]] = {
     Close: (Close(request=REQUEST, generation=3), READINESS),
     Open: (Open(), None),
     Marks: (Marks(marks={"r1": 2, "r9": 1}), None),
-    Retire: (Retire(episode_id=EPISODE), None),
+    Retire: (Retire(episode_ids=[EPISODE]), None),
     DeleteRestored: (DeleteRestored(episode_id=EPISODE), None),
     CheckForget: (CheckForget(rollout_ids=["r1", "r2"]), None),
     Forget: (Forget(rollout_ids=["r1"]), None),
@@ -204,8 +204,9 @@ def _frame(message: Any, request_id: int = 1) -> bytes:
     ("message", "found"),
     [
         ({"kind": "no_such_kind"}, "no_such_kind"),
-        ({"kind": "retire"}, "episode_id"),
-        ({"kind": "retire", "episode_id": {"rollout_id": "r1"}, "extra": 1}, "extra"),
+        ({"kind": "retire"}, "episode_ids"),
+        ({"kind": "retire", "episode_ids": []}, "episode_ids"),
+        ({"kind": "retire", "episode_ids": [{"rollout_id": "r1"}], "extra": 1}, "extra"),
         ({"kind": "marks", "marks": {"r1": "2"}}, "marks.r1"),
         ({"kind": "register", "pid": 1, "slot": -1}, "slot"),
         ("not an object", "message"),
@@ -255,11 +256,11 @@ async def test_a_reply_that_is_not_what_the_message_names_is_an_internal_error(
 
 async def test_a_refusal_keeps_its_code_across_the_channel(tmp_path: Path) -> None:
     async def refuse(message: Retire) -> None:
-        raise StaleAttemptError(f"{message.episode_id.capture_key} is retired")
+        raise StaleAttemptError(f"{message.episode_ids[0].capture_key} is retired")
 
     async with channels(tmp_path, Dispatch().on(Retire, refuse)) as near:
         with pytest.raises(StaleAttemptError, match="r1-a2 is retired") as caught:
-            await near.request(Retire(episode_id=EPISODE), within=10)
+            await near.request(Retire(episode_ids=[EPISODE]), within=10)
     assert caught.value.code == "stale_attempt"
 
 

@@ -197,7 +197,7 @@ async def test_every_message_reaches_its_participant_call(tmp_path: Path) -> Non
         assert participant.calls.pop() == ("mark_retired", [EpisodeId(rollout_id="r1", attempt=2)])
         assert shard.plane.marks.is_retired(EpisodeId(rollout_id="r1", attempt=1))
 
-        await fanout.ask(Retire(episode_id=EPISODE))
+        await fanout.ask(Retire(episode_ids=[EPISODE]))
         assert participant.calls.pop() == ("retire", EPISODE)
         await fanout.ask(DeleteRestored(episode_id=EPISODE))
         assert participant.calls.pop() == ("delete_restored", EPISODE)

@@ -26,7 +26,7 @@ from .._servers.evidence import EvidenceLog
 from .._servers.peer_pool import PEER_POOL
 from .._trace.propagation import TRACE_HOOKS
 from .control import ControlSession
-from .plan import ControllerState, DriverPlan, error_code, task_of
+from .plan import ControllerState, DriverPlan, error_code, error_detail, task_of
 
 DEADLINE_SECONDS = 30.0
 _TRACER = trace.get_tracer("midflight.drill")
@@ -152,6 +152,7 @@ class RolloutDispatcher:
                         "attempt": attempt,
                         "status": reply.status_code,
                         "code": code,
+                        "detail": error_detail(reply),
                         "failure": failure,  # the episode's own failure (a 200 without result)
                     }
                 )

@@ -53,12 +53,25 @@ def task_of(rollout: str, task_input: Mapping[str, Any]) -> dict[str, Any]:
     return {"task_id": {"taskset": "counter", "task_id": rollout}, "task_input": dict(task_input)}
 
 
-def error_code(reply: httpx.Response) -> str | None:
+def _error(reply: httpx.Response) -> dict[str, Any]:
+    """The error envelope's ``error`` object of a refusal; empty for anything else."""
     if reply.status_code < 400:
-        return None
+        return {}
     try:
         body = reply.json()
     except ValueError:
-        return None
+        return {}
     error = body.get("error") if isinstance(body, dict) else None
-    return error.get("code") if isinstance(error, dict) else None
+    return error if isinstance(error, dict) else {}
+
+
+def error_code(reply: httpx.Response) -> str | None:
+    """The code of a refusal's error envelope; ``None`` for anything else."""
+    code = _error(reply).get("code")
+    return code if isinstance(code, str) else None
+
+
+def error_detail(reply: httpx.Response) -> str | None:
+    """The detail of a refusal's error envelope (at most 500 characters), for the evidence."""
+    detail = _error(reply).get("detail")
+    return detail[:500] if isinstance(detail, str) else None

@@ -10,7 +10,9 @@ from pydantic import ValidationError
 from protocols import (
     EpisodeId,
     InvalidRolloutIdError,
+    attempts_through,
     capture_key,
+    keys_covered_by,
     sorted_capture_keys,
     validate_checkpoint_id,
     validate_ledger_key,
@@ -158,3 +160,39 @@ def test_checkpoint_ids() -> None:
     for bad in ["", "c" * 129, "../x", ".hidden", "a/b"]:
         with pytest.raises(ValueError, match="checkpoint id"):
             validate_checkpoint_id(bad)
+
+
+# Rollout ids that are prefixes or look-alikes of each other's capture keys ("r-a1" is attempt 1
+# of "r"; "r-a0", "r-ab" and "r-a01" are rollouts of their own), and any id at all.
+look_alikes = st.sampled_from(["r", "r-a0", "r-ab", "r-a01", "r-a1x", "r.a1", "ra1", "x"])
+some_episodes = st.lists(
+    st.builds(
+        EpisodeId,
+        rollout_id=st.one_of(look_alikes, rollout_ids),
+        attempt=st.integers(min_value=0, max_value=12),
+    ),
+    max_size=12,
+)
+
+
+@given(tracked=some_episodes, retired=some_episodes)
+def test_keys_covered_by_is_covers_over_every_pair(
+    tracked: list[EpisodeId], retired: list[EpisodeId]
+) -> None:
+    keys = [episode.capture_key for episode in tracked]
+    expected = [
+        key for key in keys if any(r.covers(EpisodeId.from_capture_key(key)) for r in retired)
+    ]
+    assert keys_covered_by(keys, retired) == expected
+    through = attempts_through(retired)
+    assert [e for e in tracked if e.attempt <= through.get(e.rollout_id, -1)] == [
+        e for e in tracked if any(r.covers(e) for r in retired)
+    ]
+
+
+def test_keys_covered_by_tells_look_alikes_apart() -> None:
+    keys = ["r", "r-a1", "r-a2", "r-a3", "r-a0", "r-a01", "r-ab", "r-a1x", "s-a1"]
+    retired = [EpisodeId(rollout_id="r", attempt=2), EpisodeId(rollout_id="r", attempt=1)]
+    assert keys_covered_by(keys, retired) == ["r", "r-a1", "r-a2"]
+    assert keys_covered_by(keys, [EpisodeId(rollout_id="r-a0", attempt=0)]) == ["r-a0"]
+    assert keys_covered_by(keys, []) == []

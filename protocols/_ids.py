@@ -240,7 +240,7 @@ def keys_covered_by(keys: Iterable[str], retired: Iterable[EpisodeId]) -> list[s
 
     ``[k for k in keys if any(e.covers(EpisodeId.from_capture_key(k)) for e in retired)]``,
     in one pass over each: a retire of thousands of attempts, checked against the thousands a
-    server tracks, cost a key parse per pair, 21 s for 835 retires against 6,330 keys (D389).
+    server tracks, cost a key parse per pair: 21 s for 653 retires against 3,165 keys (D389).
     ``keys`` are capture keys the server made itself, so each is split, not validated again: a
     key of a rollout ``retired`` does not name is never covered, whatever its form.
     """

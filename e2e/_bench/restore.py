@@ -8,6 +8,12 @@ restore to resume returning is ``restore_s``. The floor reads the checkpoint's f
 the same bytes elsewhere, one fsync per file (``floor_s``); ``ratio`` = ``restore_s / floor_s``;
 ``us_per_rollout`` is ``restore_s`` per rollout, and the suite adds the slope between sizes.
 
+Then, as a controller does after every restore, it retires the attempts it logged and did not
+continue (``retired``: a quarter as many as the rollouts, of rollouts the checkpoint never held) in
+one request, while every restored rollout is still pending: ``retire_s``, and the suite adds its
+slope between sizes too. Each participant checks that batch against everything it holds, so a
+retire that went attempt by attempt grew with the product of the two (D389).
+
 With ``finish=True`` the cycle then runs every restored rollout to its end as attempt 1 and
 counts what came back: ``lost`` is the rollouts in flight at the checkpoint that did not finish
 with a result, for any reason (not exported, not restored, failed).
@@ -30,7 +36,7 @@ from .checkpoint import PARKED_WORKLOAD
 from .common import PARKING, InProcessCluster, Workload, files_under, median, ratio, stage
 from .common import write_floor as write_same_bytes
 from .crashed_cluster import park_and_crash
-from .growth import add_growth, us_per_rollout
+from .growth import add_growth, slopes, us_per_rollout
 
 SIZES: Final = (100, 1000, 4000)
 RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)
@@ -86,6 +92,13 @@ async def crash_restore_cycle(
             )
             await coordinator.resume("restore-1", time.time() + DEADLINE_SECONDS)
             restore_s = time.perf_counter() - begun
+        others = [EpisodeId(rollout_id=f"x{i:06d}") for i in range(max(1, rollouts // 4))]
+        stage(f"{who} · retiring {len(others):,} attempts it did not continue")
+        begun = time.perf_counter()
+        await coordinator.retire("retire-1", time.time() + DEADLINE_SECONDS, others)
+        retire_s = time.perf_counter() - begun
+        forgotten = [episode.rollout_id for episode in others]
+        await coordinator.forget("forget-1", time.time() + DEADLINE_SECONDS, forgotten)
         kinds = {m.instance: m.kind for m in coordinator.members}
         restored_keys = {
             key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
@@ -116,6 +129,8 @@ async def crash_restore_cycle(
         "floor_s": floor_s,
         "ratio": ratio(restore_s, floor_s),
         "us_per_rollout": us_per_rollout(restore_s, rollouts),
+        "retired": len(others),
+        "retire_s": round(retire_s, 4),
         "pause_s": taken["pause_s"],
         "park_s": round(park_s, 3),
     }
@@ -154,7 +169,7 @@ def run_restore_bench(
                 for index in range(repeats)
             ]
             row = dict(cycles[-1])
-            for name in ("restore_s", "floor_s"):
+            for name in ("restore_s", "floor_s", "retire_s"):
                 row[name] = median([cycle[name] for cycle in cycles])
             row["ratio"] = ratio(row["restore_s"], row["floor_s"])
             row["restored"] = min(cycle["restored"] for cycle in cycles)
@@ -168,5 +183,5 @@ def run_restore_bench(
         "floor": "read every file of the checkpoint, write the same bytes, one fsync per file",
         "repeats": repeats,
         "rows": rows,
-        "slopes": add_growth(rows, "restore_s"),
+        "slopes": [*add_growth(rows, "restore_s"), *slopes(rows, "retire_s")],
     }

@@ -274,6 +274,8 @@ def add_suite_commands(bench: typer.Typer) -> None:
                     ("ratio", "ratio"),
                     ("us_per_rollout", "µs / rollout"),
                     ("slope_us_per_added_rollout", "slope µs / added rollout"),
+                    ("retired", "retired"),
+                    ("retire_s", "retire s"),
                 ],
             )
             _print_slopes(payload["slopes"])

@@ -36,6 +36,7 @@ def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: 
     assert row["records_bytes"] > 0 and row["checkpoint_bytes"] >= row["records_bytes"]
     assert row["restore_s"] > 0 and row["floor_s"] > 0 and row["ratio"] > 0
     assert row["us_per_rollout"] == round(row["restore_s"] / 3 * 1e6, 1)
+    assert row["retired"] == 1 and row["retire_s"] > 0  # a quarter of 3, at least one (D389)
     assert "read every file" in payload["floor"]
 
 
@@ -46,8 +47,9 @@ def test_bench_restore_reports_the_slope_between_sizes(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     small, large = payload["rows"]
-    (slope,) = payload["slopes"]
+    slope, retire_slope = payload["slopes"]
     assert (slope["figure"], slope["from"], slope["to"]) == ("restore_s", 2, 3)
+    assert (retire_slope["figure"], retire_slope["from"], retire_slope["to"]) == ("retire_s", 2, 3)
     added = round((large["restore_s"] - small["restore_s"]) * 1e6, 1)
     assert slope["us_per_added_rollout"] == large["slope_us_per_added_rollout"] == added
     assert small["slope_us_per_added_rollout"] is None
@@ -58,6 +60,7 @@ def test_bench_restore_reports_the_slope_between_sizes(tmp_path: Path) -> None:
     )
     assert table.exit_code == 0, table.output
     assert "slope of restore_s from 2 to 3 rollouts" in table.stdout
+    assert "slope of retire_s from 2 to 3 rollouts" in table.stdout
 
 
 @pytest.mark.anyio

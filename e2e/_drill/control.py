@@ -19,6 +19,7 @@ import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from coordinator import (
+    CoordinationError,
     Coordinator,
     LedgerClient,
     PrepareResult,
@@ -31,13 +32,28 @@ from coordinator import (
 from coordinator.testing import PUBLISH_FAULTS
 from participants import live_ledger_keys
 from participants.testing import KillPoint
-from protocols import CONTROL_PREFIX, CommitReply, EpisodeId, RolloutRetiredError
+from protocols import (
+    CONTROL_PREFIX,
+    CommitReply,
+    DeadlineExceededError,
+    EpisodeId,
+    RolloutRetiredError,
+)
 
 from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
 OPERATION_SECONDS = 30.0
+OUT_OF_TIME_SENDS = 3
+"""Most times the controller sends one commit or retire that servers refused for time alone
+(``deadline_exceeded``, retryable with the same id; D388, D390)."""
+
+
+def out_of_time(error: CoordinationError) -> bool:
+    """Whether every participant that refused the operation refused it for its deadline alone."""
+    causes = error.causes.values()
+    return bool(causes) and all(isinstance(cause, DeadlineExceededError) for cause in causes)
 
 
 @dataclass(frozen=True)
@@ -132,9 +148,20 @@ class ControlSession:
         )
 
     async def retire(self, checkpoint_id: str, episodes: Sequence[EpisodeId]) -> None:
-        """Retire in RETIRE_ORDER."""
-        deadline = time.time() + OPERATION_SECONDS
-        await (await self.coordinator()).retire(checkpoint_id, deadline, episodes)
+        """Retire in RETIRE_ORDER; a retire every refusing server refused for time alone is sent
+        again with a fresh deadline, at most ``OUT_OF_TIME_SENDS`` times in all. A retire is
+        idempotent, and what one cut short left running stays tracked for the next (D390)."""
+        coordinator = await self.coordinator()
+        sent = 1
+        while True:
+            try:
+                deadline = time.time() + OPERATION_SECONDS
+                await coordinator.retire(checkpoint_id, deadline, episodes)
+                return
+            except CoordinationError as error:
+                if sent >= OUT_OF_TIME_SENDS or not out_of_time(error):
+                    raise
+            sent += 1
 
     async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:
         """Forget in RETIRE_ORDER."""

@@ -26,7 +26,7 @@ from coordinator import (
     checkpoint_trace,
     hosted_on_ray,
 )
-from protocols import DeadlineExceededError, EpisodeId, open_store
+from protocols import EpisodeId, open_store
 
 from .._servers.cluster import (
     DEFAULT_NAMES,
@@ -37,7 +37,7 @@ from .._servers.cluster import (
 )
 from .._servers.evidence import read_evidence
 from .._trace.setup import configure_tracing
-from .control import CommitOutcome
+from .control import OUT_OF_TIME_SENDS, CommitOutcome, out_of_time
 from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
 from .hosting import RAY_NAMESPACE_ENV
 from .plan import ControllerState, DriverPlan, task_of
@@ -46,10 +46,6 @@ from .probes import ResourcesProbe, send_probes
 CUT_RETRIES = 6
 """Commits a phase may abandon so that the checkpoint its crash restores carries a cut and a
 delivered call (D155, D232, D360); the last try is published whatever it carries."""
-COMMIT_SENDS = 3
-"""Most times one commit is sent. A commit refused only because its deadline passed
-(``deadline_exceeded``: the write it started goes on) is sent again with the same id and a fresh
-deadline, and picks that write up (control-plane, commit steps 3 and 4; D388)."""
 
 
 def remove_checkpoint(location: str) -> None:
@@ -60,12 +56,6 @@ def remove_checkpoint(location: str) -> None:
 def _cuts_taken(prepared: PrepareResult) -> int:
     """The generations the model server cut when it closed admission (its ``cut`` count)."""
     return sum(reply.report.counts.get("cut", 0) for reply in prepared.replies.values())
-
-
-def _out_of_time(error: CoordinationError) -> bool:
-    """Whether every participant that refused the commit refused it for its deadline alone."""
-    causes = error.causes.values()
-    return bool(causes) and all(isinstance(cause, DeadlineExceededError) for cause in causes)
 
 
 class Driver(RolloutDispatcher):
@@ -187,14 +177,15 @@ class Driver(RolloutDispatcher):
         and waits for it instead of exporting again (D388).
 
         Raises:
-            CoordinationError: Any other refusal, or still out of time after ``COMMIT_SENDS``.
+            CoordinationError: Any other refusal, or still out of time after
+                ``OUT_OF_TIME_SENDS``.
         """
         sent = 1
         while True:
             try:
                 return await self.control.commit(checkpoint_id, deadline, directory, episodes)
             except CoordinationError as error:
-                if sent >= COMMIT_SENDS or not _out_of_time(error):
+                if sent >= OUT_OF_TIME_SENDS or not out_of_time(error):
                     raise
                 refused = sorted(error.failures)
             sent += 1

@@ -1,4 +1,5 @@
-"""The drill controller sends a commit again when it ran out of time, and only then (D388).
+"""The drill controller sends a commit or a retire again when it ran out of time, and only then
+(D388, D390).
 
 With thousands of episodes to park, a prepare can take most of the checkpoint's deadline, and
 the commit is then refused with ``deadline_exceeded`` while the participants go on writing. The
@@ -9,6 +10,7 @@ instead of exporting again. These tests drive the real driver against real contr
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -16,9 +18,11 @@ from typing import Any
 import anyio
 import pytest
 
+import e2e._drill.control as control_module
 import e2e._drill.driver as driver_module
 from coordinator import CoordinationError
-from e2e._drill.driver import COMMIT_SENDS, Driver
+from e2e._drill.control import OUT_OF_TIME_SENDS, out_of_time
+from e2e._drill.driver import Driver
 from e2e._drill.plan import DriverPlan
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
@@ -73,7 +77,7 @@ async def test_a_commit_out_of_time_is_sent_again_and_published_from_one_export(
         finally:
             await driver.http.aclose()
         retried = _events(driver, "commit_retried")
-        assert 1 <= len(retried) < COMMIT_SENDS
+        assert 1 <= len(retried) < OUT_OF_TIME_SENDS
         assert retried[0]["id"] == "ckpt-0-0" and retried[0]["refused"] == ["environment"]
         assert slow == ["export"]  # the retry waited for the first export's write
         published = _events(driver, "checkpoint")
@@ -86,14 +90,14 @@ async def test_a_commit_still_out_of_time_after_the_last_send_fails_the_controll
 ) -> None:
     monkeypatch.setattr(driver_module, "DEADLINE_SECONDS", 0.3)
     async with deployment(SHAPE) as d:
-        slow = _slow_environment(d, 0.3 * (COMMIT_SENDS + 2))
+        slow = _slow_environment(d, 0.3 * (OUT_OF_TIME_SENDS + 2))
         driver = _driver(tmp_path, d)
         try:
             with pytest.raises(CoordinationError, match="deadline_exceeded"):
                 await driver.checkpoint(0)
         finally:
             await driver.http.aclose()
-        assert len(_events(driver, "commit_retried")) == COMMIT_SENDS - 1
+        assert len(_events(driver, "commit_retried")) == OUT_OF_TIME_SENDS - 1
         assert slow == ["export"]
         assert not (tmp_path / "checkpoints" / "ckpt-0-0" / "checkpoint.json").exists()
 
@@ -128,7 +132,35 @@ async def test_a_commit_refused_for_anything_but_time_is_not_sent_again(
 def test_only_a_refusal_for_time_by_every_refusing_participant_counts_as_out_of_time() -> None:
     late = DeadlineExceededError("the deadline passed during the write")
     other = InvalidPhaseError("no longer ready to commit")
-    assert driver_module._out_of_time(CoordinationError("commit", {"a": "x"}, {"a": late}))
+    assert out_of_time(CoordinationError("commit", {"a": "x"}, {"a": late}))
     both = CoordinationError("commit", {"a": "x", "b": "y"}, {"a": late, "b": other})
-    assert not driver_module._out_of_time(both)
-    assert not driver_module._out_of_time(CoordinationError("commit", {}, {}))
+    assert not out_of_time(both)
+    assert not out_of_time(CoordinationError("commit", {}, {}))
+
+
+async def test_a_retire_out_of_time_is_sent_again_and_a_refused_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(control_module, "OPERATION_SECONDS", 0.3)
+    async with deployment(SHAPE) as d:
+        fake = d.fakes["environment"]
+        stops: list[str] = []
+
+        async def slow_the_first_time(episode_id: EpisodeId) -> None:
+            stops.append(episode_id.capture_key)
+            if len(stops) == 1:
+                await anyio.sleep(1.0)  # past the first deadline; a retire is idempotent
+
+        fake.retire = slow_the_first_time  # type: ignore[method-assign]
+        driver = _driver(tmp_path, d)
+        try:
+            await driver.control.retire("retire-x", [EpisodeId(rollout_id="r1")])
+            assert stops == ["r1", "r1"]
+            await d.coordinator.prepare("c1", time.time() + 30)  # a retire is refused now
+            sent = len(d.router.requests)
+            with pytest.raises(CoordinationError, match="invalid_phase"):
+                await driver.control.retire("retire-y", [EpisodeId(rollout_id="r2")])
+            retires = [r for r in d.router.requests[sent:] if r.url.path.endswith("/retire")]
+            assert len(retires) == len(SHAPE)  # one send to each server, not three
+        finally:
+            await driver.http.aclose()

@@ -93,7 +93,7 @@ async def crash_restore_cycle(
             await coordinator.resume("restore-1", time.time() + DEADLINE_SECONDS)
             restore_s = time.perf_counter() - begun
         others = [EpisodeId(rollout_id=f"x{i:06d}") for i in range(max(1, rollouts // 4))]
-        stage(f"{who} · retiring {len(others):,} attempts it did not continue")
+        stage(f"{who} · retiring the attempts it did not continue ({len(others):,})")
         begun = time.perf_counter()
         await coordinator.retire("retire-1", time.time() + DEADLINE_SECONDS, others)
         retire_s = time.perf_counter() - begun

@@ -27,7 +27,13 @@ def test_a_restore_bench_says_each_stage_of_each_size(tmp_path: Path) -> None:
     assert said == [
         f"{n} rollouts · {what}"
         for n in (2, 3)
-        for what in ("parking", "checkpoint before the crash", "restoring", "floor")
+        for what in (
+            "parking",
+            "checkpoint before the crash",
+            "restoring",
+            "retiring the attempts it did not continue (1)",
+            "floor",
+        )
     ]
 
 
@@ -88,7 +94,13 @@ def test_the_command_shows_its_stages_on_stderr_and_none_with_json(tmp_path: Pat
     result = runner.invoke(build_app(), args)
     assert result.exit_code == 0, result.output
     shown = re.findall(r"^bench restore · \d+:\d\d · (.*)$", result.stderr, re.MULTILINE)
-    stages = ("parking", "checkpoint before the crash", "restoring", "floor")
+    stages = (
+        "parking",
+        "checkpoint before the crash",
+        "restoring",
+        "retiring the attempts it did not continue (1)",
+        "floor",
+    )
     assert shown == [f"2 rollouts · {what}" for what in stages]
     assert "bench restore ·" not in result.stdout  # the figures' stream stays clean
     quiet = runner.invoke(build_app(), [*args, "--json"])

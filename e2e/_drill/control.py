@@ -51,9 +51,14 @@ OUT_OF_TIME_SENDS = 3
 
 
 def out_of_time(error: CoordinationError) -> bool:
-    """Whether every participant that refused the operation refused it for its deadline alone."""
+    """Whether every participant that failed the operation ran out of time and nothing else: it
+    refused with ``deadline_exceeded``, or its reply did not come within the deadline and the
+    client's slack (``TimeoutError``: at load 8 a retire reached the last servers after its
+    deadline, and one of them did not answer within the 5 s left; D390)."""
     causes = error.causes.values()
-    return bool(causes) and all(isinstance(cause, DeadlineExceededError) for cause in causes)
+    return bool(causes) and all(
+        isinstance(cause, DeadlineExceededError | TimeoutError) for cause in causes
+    )
 
 
 @dataclass(frozen=True)

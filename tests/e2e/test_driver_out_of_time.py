@@ -129,13 +129,17 @@ async def test_a_commit_refused_for_anything_but_time_is_not_sent_again(
         assert _events(driver, "commit_retried") == []
 
 
-def test_only_a_refusal_for_time_by_every_refusing_participant_counts_as_out_of_time() -> None:
+def test_only_running_out_of_time_on_every_failing_participant_counts_as_out_of_time() -> None:
     late = DeadlineExceededError("the deadline passed during the write")
     other = InvalidPhaseError("no longer ready to commit")
     assert out_of_time(CoordinationError("commit", {"a": "x"}, {"a": late}))
     both = CoordinationError("commit", {"a": "x", "b": "y"}, {"a": late, "b": other})
     assert not out_of_time(both)
     assert not out_of_time(CoordinationError("commit", {}, {}))
+    # A reply that did not come within the deadline and the client's slack is out of time too.
+    silent = TimeoutError("control POST /retire to http://agent got no reply within 5.00 s")
+    assert out_of_time(CoordinationError("retire", {"a": "x", "b": "y"}, {"a": late, "b": silent}))
+    assert not out_of_time(CoordinationError("retire", {"a": "x"}, {"a": ValueError("bad")}))
 
 
 async def test_a_retire_out_of_time_is_sent_again_and_a_refused_one_is_not(

@@ -52,6 +52,17 @@ CallAborter = Callable[[str, list[str]], Awaitable[None]]
 """Stops model calls on a worker (its URL, the call ids); returns once they have left."""
 
 
+async def abort_on_workers(cancelled: Iterable[ModelTicket], aborter: CallAborter) -> None:
+    """Stop the cancelled calls that reached a worker and had not started their response: one
+    abort per worker for the whole batch, in the workers' order (D389)."""
+    by_backend: dict[str, list[str]] = {}
+    for ticket in cancelled:
+        if ticket.backend is not None and not ticket.response_started:
+            by_backend.setdefault(ticket.backend, []).append(ticket.model_call_id)
+    for backend, call_ids in sorted(by_backend.items()):
+        await aborter(backend, call_ids)
+
+
 def generation_cut_restart_reason(body: Mapping[str, Any]) -> str | None:
     """Why a call with this request body may never be cut nor continue a cut, if it may not.
 

@@ -39,6 +39,7 @@ from .cuts import (
     CallAborter,
     CutRequester,
     RestoredCuts,
+    abort_on_workers,
     latest_cut_tickets,
     latest_cuts,
     run_cut_round,
@@ -377,12 +378,7 @@ class ModelParticipant(BaseParticipant):
         whole request, not one of each per attempt (D389)."""
         cancelled = await self.gate.cancel_covered(episode_ids)
         if self.call_aborter is not None:
-            by_backend: dict[str, list[str]] = {}
-            for ticket in cancelled:
-                if ticket.backend is not None and not ticket.response_started:
-                    by_backend.setdefault(ticket.backend, []).append(ticket.model_call_id)
-            for backend, call_ids in sorted(by_backend.items()):
-                await self.call_aborter(backend, call_ids)
+            await abort_on_workers(cancelled, self.call_aborter)
         self.restored_targets.difference_update(keys_covered_by(self.restored_targets, episode_ids))
         self.restored_cuts.drop_covered(episode_ids)
         await self._retire_ledgers(episode_ids)

@@ -29,9 +29,7 @@ from protocols import (
     EpisodeId,
     ParticipantKind,
     PrepareReport,
-    RetireIncompleteError,
     StaleAttemptError,
-    attempts_through,
     validate_safe_name,
 )
 
@@ -49,13 +47,13 @@ from .models import (
     VerifyMode,
     parse_session_records,
     session_records,
-    unfreed_sessions,
 )
+from .retire import SessionRetire
 
 _log = structlog.get_logger("midflight.resources")
 
 
-class ResourcesParticipant(BaseParticipant):
+class ResourcesParticipant(SessionRetire, BaseParticipant):
     """Session bookkeeping and checkpoint hooks of one resources server.
 
     Args:
@@ -367,42 +365,3 @@ class ResourcesParticipant(BaseParticipant):
         for session in list(self.sessions.values()):
             if session.restored_pending and session.episode_id == episode_id:
                 await self._free(session)
-
-    # ----------------------------------------------------------------- retire / forget
-
-    async def retire(self, episode_id: EpisodeId) -> None:
-        """``retire_many`` of the one attempt."""
-        await self.retire_many([episode_id])
-
-    async def retire_many(self, episode_ids: Sequence[EpisodeId]) -> None:
-        """Refuse the sessions of the attempts the batch covers, wait for them, free them; one
-        pass over the sessions for the whole batch (D389)."""
-        through = attempts_through(episode_ids)
-
-        def covered(episode: EpisodeId) -> bool:
-            return episode.attempt <= through.get(episode.rollout_id, -1)
-
-        await self.changes.wait_for(lambda: not any(covered(e) for e in self.seeds))
-        doomed = [s for s in self.sessions.values() if covered(s.episode_id)]
-        for session in doomed:
-            session.retired = True  # refused from here on, even if this retire is cut short
-        self.changes.notify()
-        await self.changes.wait_for(lambda: all(s.inflight == 0 for s in doomed))
-        for session in doomed:
-            await self._free(session)
-
-    async def mark_retired(self, episode_ids: Sequence[EpisodeId]) -> None:
-        """New marks change who is admitted: wake whoever watches for that."""
-        self.changes.notify()
-
-    async def forget(self, rollout_ids: Sequence[str]) -> None:
-        """Refuse to drop the marks while a retired session of these rollouts is not freed.
-
-        Raises:
-            RetireIncompleteError: Retire again first; nothing changed.
-        """
-        unfreed = unfreed_sessions(self.sessions.values(), rollout_ids)
-        if unfreed:
-            raise RetireIncompleteError(
-                f"retired sessions are not freed yet: {unfreed[:10]}; retire again first"
-            )

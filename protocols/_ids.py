@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Annotated, Final, Self, cast
+from typing import Annotated, Final, Self, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
@@ -165,9 +165,9 @@ class EpisodeId(BaseModel):
             return type(self)(rollout_id=self.rollout_id, attempt=self.attempt + 1)  # refused
         # The rollout id was validated when this episode was, and the attempt is in range: a
         # restore builds one per rollout on every participant, and validating them again was
-        # the largest single step of restoring 16,000 rollouts (D376).
-        next_one = type(self).model_construct(rollout_id=self.rollout_id, attempt=self.attempt + 1)
-        return cast(Self, next_one)
+        # the largest single step of restoring 16,000 rollouts (D376). ``model_construct`` is
+        # slower still than validating (D391), so the instance is filled in directly.
+        return _trusted(type(self), self.rollout_id, self.attempt + 1)
 
     def covers(self, other: EpisodeId) -> bool:
         """Whether retiring this attempt also retires ``other``.
@@ -178,6 +178,26 @@ class EpisodeId(BaseModel):
 
     def __str__(self) -> str:
         return self.capture_key
+
+
+_E = TypeVar("_E", bound=EpisodeId)
+_new = object.__new__
+_set = object.__setattr__
+
+
+def _trusted(cls: type[_E], rollout_id: str, attempt: int) -> _E:
+    """An episode of fields already known valid, as ``model_construct`` would build it.
+
+    ``model_construct`` runs about 4 µs of Python per call; this is about 1 µs. The instance
+    holds what a validated one holds (equal, same hash, same dump and fields set), which
+    ``tests/protocols/test_ids.py`` checks against the installed pydantic (D391).
+    """
+    episode = _new(cls)
+    _set(episode, "__dict__", {"rollout_id": rollout_id, "attempt": attempt})
+    _set(episode, "__pydantic_fields_set__", {"rollout_id", "attempt"})
+    _set(episode, "__pydantic_extra__", None)
+    _set(episode, "__pydantic_private__", None)
+    return episode
 
 
 def refuse_unrestorable(episode_ids: Iterable[EpisodeId]) -> None:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -134,11 +137,19 @@ def test_next_attempt_and_covers() -> None:
 def test_a_next_attempt_is_the_episode_validation_would_build(
     rollout_id: str, attempt: int
 ) -> None:
-    """D377: built without validating again, yet equal in every way a caller can see."""
+    """D377, D391: built without validating again, yet equal in every way a caller can see."""
     built = EpisodeId(rollout_id=rollout_id, attempt=attempt).next_attempt()
     validated = EpisodeId(rollout_id=rollout_id, attempt=attempt + 1)
-    assert built == validated and hash(built) == hash(validated)
+    assert type(built) is EpisodeId
+    assert built == validated and hash(built) == hash(validated) and validated == built
+    assert repr(built) == repr(validated)
     assert built.model_dump_json() == validated.model_dump_json()
+    assert pickle.loads(pickle.dumps(built)) == validated  # noqa: S301  # its own bytes
+    assert copy.deepcopy(built) == validated and built.model_copy() == validated
+    assert (built.__pydantic_extra__, built.__pydantic_private__) == (
+        validated.__pydantic_extra__,
+        validated.__pydantic_private__,
+    )
     assert built.model_fields_set == validated.model_fields_set == {"rollout_id", "attempt"}
     assert built.capture_key == validated.capture_key
     with pytest.raises(ValidationError):

@@ -44,11 +44,14 @@ class CheckpointOutcome:
         checkpoint_id: The id used on every call (also on every retry).
         prepare: The prepare result (its blockers, restarts and continued scope).
         manifest: The published ``checkpoint.json``, or ``None`` when blockers remained.
+        commits_resent: How many commits were sent again because every participant that
+            refused them ran out of time (``commit_sends``; D392).
     """
 
     checkpoint_id: str
     prepare: PrepareResult
     manifest: CheckpointManifest | None
+    commits_resent: int = 0
 
     @property
     def published(self) -> bool:
@@ -65,12 +68,44 @@ async def _resume_quietly(coordinator: Coordinator, checkpoint_id: str) -> None:
     await coordinator.resume(checkpoint_id, time.time() + RESTORE_CLEANUP_MIN_SECONDS)
 
 
+@dataclass
+class _Commits:
+    """``Coordinator.commit`` of one checkpoint, sent again while it runs out of time.
+
+    A prepare that waited for thousands of episodes to park can leave the commit too little of
+    the deadline. Each participant that refused with ``deadline_exceeded`` goes on writing what
+    it exported, so the same commit, sent again with a fresh deadline of ``deadline_seconds``,
+    waits for that write instead of exporting again (D388, D392). ``sends`` bounds the sends of
+    one commit; any other refusal is raised at once.
+    """
+
+    coordinator: Coordinator
+    checkpoint_id: str
+    directory: str
+    deadline: float
+    deadline_seconds: float
+    sends: int
+    resent: int = 0
+
+    async def __call__(
+        self, scope: Sequence[EpisodeId] | None, kinds: Sequence[ParticipantKind] | None = None
+    ) -> dict[str, CommitReply]:
+        sent = 1
+        while True:
+            try:
+                return await self.coordinator.commit(
+                    self.checkpoint_id, self.deadline, self.directory, scope, kinds=kinds
+                )
+            except CoordinationError as error:
+                if sent >= self.sends or not error.out_of_time:
+                    raise
+            sent += 1
+            self.resent += 1
+            self.deadline = time.time() + self.deadline_seconds
+
+
 async def _commit_what_the_environment_exports(
-    coordinator: Coordinator,
-    checkpoint_id: str,
-    deadline: float,
-    directory: str,
-    prepared: PrepareResult,
+    commit: _Commits, prepared: PrepareResult
 ) -> tuple[dict[str, CommitReply], list[EpisodeId]]:
     """Commit with no scope given: the environments first, then everyone else with their export.
 
@@ -78,11 +113,11 @@ async def _commit_what_the_environment_exports(
     rows of an attempt nobody will run again), so the default scope — what the environments
     export, minus the restarts — is known only once they have committed.
     """
-    first = await coordinator.commit(checkpoint_id, deadline, directory, None, kinds=_SCOPE_KINDS)
+    first = await commit(None, kinds=_SCOPE_KINDS)
     exported = sorted({key for reply in first.values() for key in reply.episode_ids})
     scope = prepared.continued(EpisodeId.from_capture_key(key) for key in exported)
     others = [kind for kind in PREPARE_ORDER if kind not in _SCOPE_KINDS]
-    rest = await coordinator.commit(checkpoint_id, deadline, directory, scope, kinds=others)
+    rest = await commit(scope, kinds=others)
     return {**first, **rest}, scope
 
 
@@ -111,6 +146,7 @@ async def checkpoint(
     deadline_seconds: float,
     episodes: Sequence[EpisodeId] | None = None,
     controller_state: JsonValue = None,
+    commit_sends: int = 1,
     fault: str | None = None,
 ) -> CheckpointOutcome:
     """Take one checkpoint across every participant and publish it under ``root``.
@@ -124,6 +160,11 @@ async def checkpoint(
         episodes: The episodes to continue, or ``None`` for everything the environments export
             (minus restarts): they commit first, the others then with that scope.
         controller_state: The controller's own state, published in ``checkpoint.json``.
+        commit_sends: How many times to send a commit that every participant refusing it
+            refused for time alone (``deadline_exceeded``, or no reply in time), each send
+            after the first with a fresh ``deadline_seconds``. The default, 1, keeps the pause
+            within ``deadline_seconds``; more trades a longer pause for the checkpoint at
+            thousands in flight (D392). ``outcome.commits_resent`` counts the extra sends.
         fault: A test-only publication fault (see ``PUBLISH_FAULTS``).
 
     Returns:
@@ -131,12 +172,15 @@ async def checkpoint(
         been resumed; retire ``blocking_episodes()`` and dispatch them again).
 
     Raises:
+        ValueError: ``commit_sends`` is below 1 (nothing was sent).
         CoordinationError: A participant failed (everyone was resumed before raising).
         InvalidCheckpointStateError: Publication found a missing or changed manifest.
         PublicationConflictError: Another publication got to the store first
             (:class:`LatestMovedError`: this checkpoint stays published, ``LATEST`` is the
             other's; :class:`CheckpointTakenError`: the id holds another publication).
     """
+    if commit_sends < 1:
+        raise ValueError(f"commit_sends must be at least 1, not {commit_sends}")
     with checkpoint_trace(checkpoint_id, participants=len(coordinator.members)) as traced:
         outcome = await _checkpoint(
             coordinator,
@@ -145,6 +189,7 @@ async def checkpoint(
             deadline_seconds=deadline_seconds,
             episodes=episodes,
             controller_state=controller_state,
+            commit_sends=commit_sends,
             fault=fault,
             traceparent=traced.traceparent,
         )
@@ -164,23 +209,25 @@ async def _checkpoint(
     deadline_seconds: float,
     episodes: Sequence[EpisodeId] | None,
     controller_state: JsonValue,
+    commit_sends: int,
     fault: str | None,
     traceparent: str | None,
 ) -> CheckpointOutcome:
     deadline = time.time() + deadline_seconds
     directory = checkpoint_location(root, checkpoint_id)
+    commit = _Commits(
+        coordinator, checkpoint_id, directory, deadline, deadline_seconds, commit_sends
+    )
     try:
         result = await coordinator.prepare(checkpoint_id, deadline)
         if not result.prepared:
             await _resume_quietly(coordinator, checkpoint_id)
             return CheckpointOutcome(checkpoint_id, result, None)
         if episodes is None:
-            commits, scope = await _commit_what_the_environment_exports(
-                coordinator, checkpoint_id, deadline, directory, result
-            )
+            commits, scope = await _commit_what_the_environment_exports(commit, result)
         else:
             scope = result.continued(episodes)
-            commits = await coordinator.commit(checkpoint_id, deadline, directory, scope)
+            commits = await commit(scope)
         manifest = await publish_checkpoint(
             root,
             checkpoint_id,
@@ -199,4 +246,4 @@ async def _checkpoint(
             await anyio.to_thread.run_sync(_remove_unpublished, root, checkpoint_id)
         raise
     await _resume_quietly(coordinator, checkpoint_id)
-    return CheckpointOutcome(checkpoint_id, result, manifest)
+    return CheckpointOutcome(checkpoint_id, result, manifest, commit.resent)

@@ -14,7 +14,7 @@ from typing import TypeVar
 import anyio
 from opentelemetry.trace import SpanKind
 
-from protocols import MidflightError, ParticipantKind, WireError, call_span
+from protocols import DeadlineExceededError, MidflightError, ParticipantKind, WireError, call_span
 
 from ._client import ControlClient
 from ._tracing import coordinator_span
@@ -43,6 +43,20 @@ class CoordinationError(MidflightError):
         self.causes = dict(causes or {})
         listed = "; ".join(f"{name}: {message}" for name, message in sorted(self.failures.items()))
         super().__init__(f"{operation} failed: {listed}")
+
+    @property
+    def out_of_time(self) -> bool:
+        """Whether every participant that failed ran out of time and nothing else.
+
+        Each refused with ``deadline_exceeded`` (retryable with the same id), or its reply did
+        not come within the deadline and the client's slack (``TimeoutError``). Sending the same
+        operation again with a later deadline is then safe and may succeed: a retried commit
+        waits for the write the first one began, and a retire is idempotent (D388, D390, D392).
+        """
+        causes = self.causes.values()
+        return bool(causes) and all(
+            isinstance(cause, DeadlineExceededError | TimeoutError) for cause in causes
+        )
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from participants.testing import KillPoint
 from protocols import (
     CONTROL_PREFIX,
     CommitReply,
-    DeadlineExceededError,
     EpisodeId,
     RolloutRetiredError,
 )
@@ -48,17 +47,6 @@ OPERATION_SECONDS = 30.0
 OUT_OF_TIME_SENDS = 3
 """Most times the controller sends one commit or retire that servers refused for time alone
 (``deadline_exceeded``, retryable with the same id; D388, D390)."""
-
-
-def out_of_time(error: CoordinationError) -> bool:
-    """Whether every participant that failed the operation ran out of time and nothing else: it
-    refused with ``deadline_exceeded``, or its reply did not come within the deadline and the
-    client's slack (``TimeoutError``: at load 8 a retire reached the last servers after its
-    deadline, and one of them did not answer within the 5 s left; D390)."""
-    causes = error.causes.values()
-    return bool(causes) and all(
-        isinstance(cause, DeadlineExceededError | TimeoutError) for cause in causes
-    )
 
 
 @dataclass(frozen=True)
@@ -164,7 +152,7 @@ class ControlSession:
                 await coordinator.retire(checkpoint_id, deadline, episodes)
                 return
             except CoordinationError as error:
-                if sent >= OUT_OF_TIME_SENDS or not out_of_time(error):
+                if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
                     raise
             sent += 1
 

@@ -37,7 +37,7 @@ from .._servers.cluster import (
 )
 from .._servers.evidence import read_evidence
 from .._trace.setup import configure_tracing
-from .control import OUT_OF_TIME_SENDS, CommitOutcome, out_of_time
+from .control import OUT_OF_TIME_SENDS, CommitOutcome
 from .dispatch import DEADLINE_SECONDS, RolloutDispatcher
 from .hosting import RAY_NAMESPACE_ENV
 from .plan import ControllerState, DriverPlan, task_of
@@ -185,7 +185,7 @@ class Driver(RolloutDispatcher):
             try:
                 return await self.control.commit(checkpoint_id, deadline, directory, episodes)
             except CoordinationError as error:
-                if sent >= OUT_OF_TIME_SENDS or not out_of_time(error):
+                if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
                     raise
                 refused = sorted(error.failures)
             sent += 1

@@ -21,13 +21,13 @@ import pytest
 import e2e._drill.control as control_module
 import e2e._drill.driver as driver_module
 from coordinator import CoordinationError
-from e2e._drill.control import OUT_OF_TIME_SENDS, out_of_time
+from e2e._drill.control import OUT_OF_TIME_SENDS
 from e2e._drill.driver import Driver
 from e2e._drill.plan import DriverPlan
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
 from participants import Record
-from protocols import DeadlineExceededError, EpisodeId, InvalidPhaseError
+from protocols import EpisodeId, InvalidPhaseError
 from tests.coordinator.deployment import Deployment, deployment
 
 pytestmark = pytest.mark.anyio
@@ -127,19 +127,6 @@ async def test_a_commit_refused_for_anything_but_time_is_not_sent_again(
         assert sent == ["ckpt-0-0"]
         assert isinstance(caught.value.causes["resources"], InvalidPhaseError)
         assert _events(driver, "commit_retried") == []
-
-
-def test_only_running_out_of_time_on_every_failing_participant_counts_as_out_of_time() -> None:
-    late = DeadlineExceededError("the deadline passed during the write")
-    other = InvalidPhaseError("no longer ready to commit")
-    assert out_of_time(CoordinationError("commit", {"a": "x"}, {"a": late}))
-    both = CoordinationError("commit", {"a": "x", "b": "y"}, {"a": late, "b": other})
-    assert not out_of_time(both)
-    assert not out_of_time(CoordinationError("commit", {}, {}))
-    # A reply that did not come within the deadline and the client's slack is out of time too.
-    silent = TimeoutError("control POST /retire to http://agent got no reply within 5.00 s")
-    assert out_of_time(CoordinationError("retire", {"a": "x", "b": "y"}, {"a": late, "b": silent}))
-    assert not out_of_time(CoordinationError("retire", {"a": "x"}, {"a": ValueError("bad")}))
 
 
 async def test_a_retire_out_of_time_is_sent_again_and_a_refused_one_is_not(

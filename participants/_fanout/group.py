@@ -31,6 +31,7 @@ from protocols import (
 from .._runtime.participant import Record
 from .._runtime.plane import ControlPlane
 from .channel import MESSAGE_TIMEOUT_SECONDS, Channel, Dispatch
+from .drops import StaleCopies
 from .messages import (
     Ask,
     CheckForget,
@@ -111,6 +112,8 @@ class ProcessFanout(ShardRoster):
         super().__init__(kind, instance, expected=expected)
         self.placement = placement
         self.claimed: set[str] = set()
+        self.stale_copies = StaleCopies(self._drop_restored)
+        """The other shards' copies of what was claimed, dropped in batches (D393)."""
         self._manifest: dict[str, Any] | None = None
         self._metrics_registered = False
 
@@ -265,24 +268,30 @@ class ProcessFanout(ShardRoster):
                 group.start_soon(self._install_one, shard, message)
 
     async def _claim(self, shard: ShardState, capture_key: str) -> bool:
-        """The first claim of a restored key wins; the other shards drop their copy."""
+        """The first claim of a restored key wins; the other shards drop their copy first (in
+        one message per shard for the claims that come together; D393)."""
         if self.closed_request is not None:
             raise AdmissionClosedError("a checkpoint is open; claim restored state after resume")
         if capture_key in self.claimed:
             return False
         self.claimed.add(capture_key)
-        others = [s for s in self.shards.values() if s is not shard]
+        others = [pid for pid in self.shards if pid != shard.pid]
         episode = EpisodeId.from_capture_key(capture_key)
-        await self._fan_out(DeleteRestored(episode_id=episode), to=others)
+        await self.stale_copies.drop(others, episode)
         _log.info("shard.claimed", participant=self.instance, pid=shard.pid, key=capture_key)
         return True
+
+    async def _drop_restored(self, pid: int, episodes: Sequence[EpisodeId]) -> None:
+        shard = self.shards.get(pid)
+        if shard is not None:  # one that left meanwhile took its copies with it
+            await self._fan_out(DeleteRestored(episode_ids=list(episodes)), to=[shard])
 
     async def _install_one(self, shard: ShardState, message: Ask[None]) -> None:
         await shard.channel.request(message, within=MESSAGE_TIMEOUT_SECONDS * 4)
 
     async def delete_restored(self, episode_id: EpisodeId) -> None:
         """Free the restored state of ``episode_id`` wherever it is."""
-        await self._fan_out(DeleteRestored(episode_id=episode_id))
+        await self._fan_out(DeleteRestored(episode_ids=[episode_id]))
 
     async def retire(self, episode_id: EpisodeId) -> None:
         """``retire_many`` of the one attempt."""

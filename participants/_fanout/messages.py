@@ -222,10 +222,11 @@ class Retire(Ask[None]):
 
 
 class DeleteRestored(Ask[None]):
-    """Drop the restored state of ``episode_id`` (another shard claimed it, or it left scope)."""
+    """Drop the restored state of each of ``episode_ids`` (another shard claimed it, or it left
+    scope); the claims that came together, in one message (D393)."""
 
     kind: Literal["delete_restored"] = "delete_restored"
-    episode_id: EpisodeId
+    episode_ids: list[EpisodeId] = Field(min_length=1)
 
 
 class CheckForget(Ask[None]):

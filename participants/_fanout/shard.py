@@ -261,7 +261,8 @@ class FanoutShard:
         await self.participant.retire_many(message.episode_ids)
 
     async def _on_delete_restored(self, message: DeleteRestored) -> None:
-        await self.participant.delete_restored(message.episode_id)
+        for episode_id in message.episode_ids:
+            await self.participant.delete_restored(episode_id)
 
     async def _on_check_forget(self, message: CheckForget) -> None:
         await self.participant.forget(message.rollout_ids)

@@ -109,7 +109,7 @@ EXAMPLES: dict[type[Ask[Any]], tuple[Ask[Any], Any]] = {
     Open: (Open(), None),
     Marks: (Marks(marks={"r1": 2, "r9": 1}), None),
     Retire: (Retire(episode_ids=[EPISODE]), None),
-    DeleteRestored: (DeleteRestored(episode_id=EPISODE), None),
+    DeleteRestored: (DeleteRestored(episode_ids=[EPISODE]), None),
     CheckForget: (CheckForget(rollout_ids=["r1", "r2"]), None),
     Forget: (Forget(rollout_ids=["r1"]), None),
     ExportRecords: (ExportRecords(scope=[EPISODE]), [RECORD]),

@@ -199,7 +199,7 @@ async def test_every_message_reaches_its_participant_call(tmp_path: Path) -> Non
 
         await fanout.ask(Retire(episode_ids=[EPISODE]))
         assert participant.calls.pop() == ("retire", EPISODE)
-        await fanout.ask(DeleteRestored(episode_id=EPISODE))
+        await fanout.ask(DeleteRestored(episode_ids=[EPISODE]))
         assert participant.calls.pop() == ("delete_restored", EPISODE)
 
         await fanout.ask(CheckForget(rollout_ids=["r1"]))

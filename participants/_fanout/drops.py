@@ -1,24 +1,29 @@
-"""The restored copies a claim makes stale, dropped in one message per shard for claims that
-come together (D393).
+"""The restored copies a claim makes stale, dropped in one message per shard for the claims
+that come together (D393, D394).
 
 Under claim placement every shard holds every restored record, and the first shard to claim a
 key keeps it: every other shard drops its copy before the claim is answered, so a later
 checkpoint never exports the stale copy beside the live one. Right after a restore of thousands,
 the claims come in a burst, one per restored rollout. Each used to be a ``DeleteRestored`` round
-trip to every other shard, two thirds of a claim's cost. Now a claim adds its key to the batch
-being gathered and waits for that batch to be sent. One claim at a time sends; the claims that
-arrive while it does are the next batch, sent by one of them as soon as it is done. So a burst
-of N claims costs a handful of messages per shard, and a lone claim costs what it did.
+trip to every other shard, two thirds of a claim's cost. Now the first claim of a batch waits
+``GATHER_SECONDS`` for others to join it, and then sends the batch; every claim of it is
+answered when its message is. Batches do not wait for each other: a shard slow to answer one
+delays only the claims that one holds (D394). A lone claim costs one message per shard, as
+before, and ``GATHER_SECONDS`` more.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import anyio
 
 from protocols import EpisodeId
+
+GATHER_SECONDS: Final = 0.005
+"""How long the first claim of a batch waits for others to join it (D394)."""
 
 Send = Callable[[int, Sequence[EpisodeId]], Awaitable[None]]
 """Send one shard (by pid) the episodes whose restored copies it must drop; raise on refusal."""
@@ -37,7 +42,6 @@ class StaleCopies:
     def __init__(self, send: Send) -> None:
         self._send = send
         self._gathering: _Batch | None = None
-        self._sending: anyio.Event | None = None
         self.messages = 0
         """Messages sent so far (one per shard per batch)."""
 
@@ -49,24 +53,18 @@ class StaleCopies:
                 within the message timeout).
         """
         batch = self._gathering
+        first = batch is None
         if batch is None:
             batch = self._gathering = _Batch()
         for pid in shards:
             batch.targets.setdefault(pid, []).append(episode)
-        while not batch.sent.is_set():
-            if self._sending is not None:
-                await self._sending.wait()  # then ours was sent, or it is our turn to send
-                continue
-            # Nobody is sending, and ours is not sent: it is the batch being gathered.
-            sending = self._sending = anyio.Event()
-            current, self._gathering = self._gathering, None
-            try:
-                assert current is batch
-                with anyio.CancelScope(shield=True):  # the waiters of this batch depend on it
-                    await self._send_batch(current)
-            finally:
-                self._sending = None
-                sending.set()
+        if first:
+            with anyio.CancelScope(shield=True):  # the other claims of the batch wait on it
+                await anyio.sleep(GATHER_SECONDS)  # the claims that come meanwhile join it
+                self._gathering = None  # later claims start the next batch
+                await self._send_batch(batch)
+        else:
+            await batch.sent.wait()
         if batch.error is not None:
             raise batch.error
 

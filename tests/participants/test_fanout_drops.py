@@ -1,4 +1,4 @@
-"""The stale restored copies of claimed keys, dropped in batches (D393)."""
+"""The stale restored copies of claimed keys, dropped in batches (D393, D394)."""
 
 from __future__ import annotations
 
@@ -15,57 +15,88 @@ EPISODES = [EpisodeId(rollout_id=f"r{n}", attempt=1) for n in range(50)]
 
 
 class Shards:
-    """A send that records each message, and holds the first until released."""
+    """A send that records each message as it arrives, holding those with a ``held`` key until
+    ``release`` and refusing those with a ``refused`` key."""
 
-    def __init__(self) -> None:
-        self.sent: list[tuple[int, list[str]]] = []
+    def __init__(self, held: set[str] | None = None, refused: set[str] | None = None) -> None:
+        self.arrived: list[tuple[int, list[str]]] = []
+        self.answered: list[str] = []
         self.release = anyio.Event()
-        self.refuse: set[str] = set()
+        self.held = held or set()
+        self.refused = refused or set()
+        self._arrivals: dict[str, anyio.Event] = {}
+
+    def arrival(self, key: str) -> anyio.Event:
+        """Set once a message holding ``key`` has arrived."""
+        return self._arrivals.setdefault(key, anyio.Event())
 
     async def send(self, pid: int, episodes: Sequence[EpisodeId]) -> None:
         keys = [e.capture_key for e in episodes]
-        if not self.sent:
+        self.arrived.append((pid, keys))
+        for key in keys:
+            self.arrival(key).set()
+        if self.held & set(keys):
             await self.release.wait()
-        self.sent.append((pid, keys))
-        if self.refuse & set(keys):
+        if self.refused & set(keys):
             raise WireError("no")
+        self.answered.extend(keys)
+
+
+async def _in_flight(shards: Shards, key: str) -> None:
+    """Wait until the message holding ``key`` has arrived (the gathering window is over)."""
+    with anyio.fail_after(5):
+        await shards.arrival(key).wait()
 
 
 async def test_a_lone_drop_is_one_message_to_each_other_shard() -> None:
     shards = Shards()
-    shards.release.set()
     drops = StaleCopies(shards.send)
     await drops.drop([2, 3], EPISODES[0])
-    assert sorted(shards.sent) == [(2, ["r0-a1"]), (3, ["r0-a1"])]
+    assert sorted(shards.arrived) == [(2, ["r0-a1"]), (3, ["r0-a1"])]
     assert drops.messages == 2
 
 
-async def test_drops_that_come_while_one_is_sent_go_together_and_wait_for_it() -> None:
-    shards = Shards()
+async def test_drops_that_come_together_go_in_one_message_and_wait_for_its_answer() -> None:
+    shards = Shards(held={"r0-a1"})
     drops = StaleCopies(shards.send)
     returned: list[str] = []
 
     async def drop(episode: EpisodeId) -> None:
         await drops.drop([2], episode)
-        # Back only once the message holding this key reached the shard.
-        assert any(episode.capture_key in keys for _, keys in shards.sent)
+        assert episode.capture_key in shards.answered  # back only once its message was answered
         returned.append(episode.capture_key)
 
     async with anyio.create_task_group() as group:
-        try:  # a failure lets the held message go, so the shielded send ends
+        try:  # a failure lets the held message go, so that the shielded send ends
             for episode in EPISODES:
                 group.start_soon(drop, episode)
-            await anyio.wait_all_tasks_blocked()
-            assert returned == []  # the first message is held: nobody is answered yet
+            await _in_flight(shards, "r0-a1")
+            assert returned == []  # the message is held: nobody is answered yet
         finally:
             shards.release.set()
-    assert shards.sent == [(2, ["r0-a1"]), (2, [e.capture_key for e in EPISODES[1:]])]
+    assert shards.arrived == [(2, [e.capture_key for e in EPISODES])]
     assert sorted(returned) == sorted(e.capture_key for e in EPISODES)
 
 
+async def test_a_batch_slow_to_be_answered_does_not_hold_up_the_next() -> None:
+    """D394: the drill of 4,000 lost 530 rollouts when every claim queued behind the batch a
+    loaded shard was slow to answer."""
+    shards = Shards(held={"r0-a1"})
+    drops = StaleCopies(shards.send)
+    async with anyio.create_task_group() as group:
+        try:
+            group.start_soon(drops.drop, [2], EPISODES[0])
+            await _in_flight(shards, "r0-a1")
+            with anyio.fail_after(5):
+                await drops.drop([2], EPISODES[1])  # answered while the first is still held
+            assert shards.answered == ["r1-a1"]
+        finally:
+            shards.release.set()
+    assert shards.answered == ["r1-a1", "r0-a1"]
+
+
 async def test_a_refused_message_fails_the_drops_it_held_and_no_others() -> None:
-    shards = Shards()
-    shards.refuse = {"r3-a1"}
+    shards = Shards(held={"r0-a1"}, refused={"r3-a1"})
     drops = StaleCopies(shards.send)
     failed: list[str] = []
 
@@ -76,37 +107,45 @@ async def test_a_refused_message_fails_the_drops_it_held_and_no_others() -> None
             failed.append(episode.capture_key)
 
     async with anyio.create_task_group() as group:
-        for episode in EPISODES[:5]:
-            group.start_soon(drop, episode)
-        await anyio.wait_all_tasks_blocked()
-        shards.release.set()
-    assert sorted(failed) == ["r1-a1", "r2-a1", "r3-a1", "r4-a1"]  # r0 went alone, and first
+        try:
+            group.start_soon(drop, EPISODES[0])
+            await _in_flight(shards, "r0-a1")
+            for episode in EPISODES[1:5]:
+                group.start_soon(drop, episode)
+            await _in_flight(shards, "r1-a1")
+        finally:
+            shards.release.set()
+    assert shards.arrived == [(2, ["r0-a1"]), (2, ["r1-a1", "r2-a1", "r3-a1", "r4-a1"])]
+    assert sorted(failed) == ["r1-a1", "r2-a1", "r3-a1", "r4-a1"]
     await drops.drop([2], EPISODES[9])  # and the next batch goes out as usual
-    assert shards.sent[-1] == (2, ["r9-a1"])
+    assert shards.arrived[-1] == (2, ["r9-a1"])
 
 
-async def test_a_cancelled_sender_still_sends_what_the_others_wait_for() -> None:
-    shards = Shards()
+@pytest.mark.parametrize("when", ["gathering", "sending"])
+async def test_a_cancelled_first_drop_still_sends_what_the_others_wait_for(when: str) -> None:
+    shards = Shards(held={"r0-a1"})
     drops = StaleCopies(shards.send)
     first = anyio.CancelScope()
+    second = anyio.Event()
 
     async def first_drop() -> None:
         with first:
             await drops.drop([2], EPISODES[0])
 
+    async def then_second() -> None:
+        await drops.drop([2], EPISODES[1])
+        second.set()
+
     async with anyio.create_task_group() as group:
-        group.start_soon(first_drop)
-        await anyio.wait_all_tasks_blocked()
-        second = anyio.Event()
-
-        async def then_second() -> None:
-            await drops.drop([2], EPISODES[1])
-            second.set()
-
-        group.start_soon(then_second)
-        await anyio.wait_all_tasks_blocked()
-        first.cancel()  # the caller of the first drop goes away mid-send
-        shards.release.set()
+        try:
+            group.start_soon(first_drop)
+            group.start_soon(then_second)  # joins the first one's batch
+            await anyio.wait_all_tasks_blocked()
+            if when == "sending":
+                await _in_flight(shards, "r0-a1")
+            first.cancel()  # the caller of the first drop goes away
+        finally:
+            shards.release.set()
         with anyio.fail_after(5):
             await second.wait()
-    assert shards.sent == [(2, ["r0-a1"]), (2, ["r1-a1"])]
+    assert shards.arrived == [(2, ["r0-a1", "r1-a1"])]

@@ -257,7 +257,7 @@ async def test_a_restored_episode_is_claimed_by_exactly_one_shard(tmp_path: Path
 
 
 async def test_a_burst_of_claims_drops_the_stale_copies_in_a_few_messages(tmp_path: Path) -> None:
-    """D393: 300 claims at once, as after a restore; each is answered only once the other
+    """D393, D394: 300 claims at once, as after a restore; each is answered only once the other
     shard dropped its copy, and the drops went in a few messages, not one per claim."""
     async with server(tmp_path, placement="claim") as made:
         a = await made.join(101, 0)
@@ -278,7 +278,8 @@ async def test_a_burst_of_claims_drops_the_stale_copies_in_a_few_messages(tmp_pa
                 group.start_soon(claim, key, *((a, b) if n % 2 else (b, a)))
         assert stale == []
         assert sorted([*a.fake.restored, *b.fake.restored]) == sorted(keys)
-        assert made.fanout.stale_copies.messages <= 10
+        # One per claim would be 300; a window gathers a few dozen claims here (D394).
+        assert made.fanout.stale_copies.messages <= 60
 
 
 async def test_slot_placement_puts_each_record_on_one_shard(tmp_path: Path) -> None:

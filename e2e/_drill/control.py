@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -43,10 +43,29 @@ from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
+T = TypeVar("T")
 OPERATION_SECONDS = 30.0
 OUT_OF_TIME_SENDS = 3
 """Most times the controller sends one commit or retire that servers refused for time alone
 (``deadline_exceeded``, retryable with the same id; D388, D390)."""
+
+
+async def sent_while_out_of_time(send: Callable[[float], Awaitable[T]], seconds: float) -> T:
+    """``send(deadline)`` with a deadline ``seconds`` away; sent again with a fresh one while
+    every server that refused it refused for time alone, at most ``OUT_OF_TIME_SENDS`` times in
+    all (D390, D395). Only for an operation that is idempotent: a retire, a resume.
+
+    Raises:
+        CoordinationError: Any other refusal, or still out of time after the last send.
+    """
+    sent = 1
+    while True:
+        try:
+            return await send(time.time() + seconds)
+        except CoordinationError as error:
+            if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
+                raise
+        sent += 1
 
 
 @dataclass(frozen=True)
@@ -126,8 +145,14 @@ class ControlSession:
         return CommitOutcome(replies, {m.instance: m.kind for m in coordinator.members})
 
     async def resume(self, checkpoint_id: str, deadline: float) -> None:
-        """Resume in the reverse order."""
-        await (await self.coordinator()).resume(checkpoint_id, deadline)
+        """Resume in the reverse order; one every refusing server refused for time alone is
+        sent again with a window as long as the first, as a retire is. A resume is idempotent:
+        a server already resumed answers from its record (D395)."""
+        coordinator = await self.coordinator()
+        seconds = max(deadline - time.time(), 1.0)
+        await sent_while_out_of_time(
+            lambda deadline: coordinator.resume(checkpoint_id, deadline), seconds
+        )
 
     async def restore(
         self, checkpoint_id: str, deadline: float, directory: str, episodes: Sequence[EpisodeId]
@@ -145,16 +170,10 @@ class ControlSession:
         again with a fresh deadline, at most ``OUT_OF_TIME_SENDS`` times in all. A retire is
         idempotent, and what one cut short left running stays tracked for the next (D390)."""
         coordinator = await self.coordinator()
-        sent = 1
-        while True:
-            try:
-                deadline = time.time() + OPERATION_SECONDS
-                await coordinator.retire(checkpoint_id, deadline, episodes)
-                return
-            except CoordinationError as error:
-                if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
-                    raise
-            sent += 1
+        await sent_while_out_of_time(
+            lambda deadline: coordinator.retire(checkpoint_id, deadline, episodes),
+            OPERATION_SECONDS,
+        )
 
     async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:
         """Forget in RETIRE_ORDER."""

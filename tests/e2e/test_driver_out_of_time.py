@@ -1,5 +1,5 @@
-"""The drill controller sends a commit or a retire again when it ran out of time, and only then
-(D388, D390).
+"""The drill controller sends a commit, a retire or a resume again when it ran out of time, and
+only then (D388, D390, D395).
 
 With thousands of episodes to park, a prepare can take most of the checkpoint's deadline, and
 the commit is then refused with ``deadline_exceeded`` while the participants go on writing. The
@@ -18,6 +18,7 @@ from typing import Any
 import anyio
 import pytest
 
+import coordinator._client as client_module
 import e2e._drill.control as control_module
 import e2e._drill.driver as driver_module
 from coordinator import CoordinationError
@@ -27,7 +28,7 @@ from e2e._drill.plan import DriverPlan
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
 from participants import Record
-from protocols import EpisodeId, InvalidPhaseError
+from protocols import EpisodeId, InvalidPhaseError, Phase
 from tests.coordinator.deployment import Deployment, deployment
 
 pytestmark = pytest.mark.anyio
@@ -155,3 +156,34 @@ async def test_a_retire_out_of_time_is_sent_again_and_a_refused_one_is_not(
             assert len(retires) == len(SHAPE)  # one send to each server, not three
         finally:
             await driver.http.aclose()
+
+
+async def test_a_resume_out_of_time_is_sent_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D395: at load 10 a worker of the 4,000 drill did not reopen within 30 s, and the
+    controller died on a resume that a second send would have finished."""
+    monkeypatch.setattr(client_module, "COORDINATION_REPLY_SLACK_SECONDS", 0.2)
+    async with deployment(SHAPE) as d:
+        fake = d.fakes["environment"]
+        opens: list[float] = []
+        reopen = fake.open_admission
+
+        async def slow_the_first_time() -> None:
+            opens.append(time.monotonic())
+            if len(opens) == 1:
+                await anyio.sleep(2.0)  # past the first deadline (1 s at least) and the slack
+            await reopen()
+
+        fake.open_admission = slow_the_first_time  # type: ignore[method-assign]
+        await d.coordinator.prepare("c1", time.time() + 30)
+        driver = _driver(tmp_path, d)
+        sent = len(d.router.requests)
+        try:
+            await driver.control.resume("c1", time.time() + 0.3)
+        finally:
+            await driver.http.aclose()
+        resumes = [r.url.host for r in d.router.requests[sent:] if r.url.path.endswith("/resume")]
+        assert resumes.count("environment") >= 2  # no reply in time, so sent again
+        assert len(opens) == 2  # in one process, the client's timeout cancelled the first
+        assert all(plane.phase is Phase.IDLE for plane in d.planes.values())

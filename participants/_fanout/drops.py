@@ -8,8 +8,9 @@ the claims come in a burst, one per restored rollout. Each used to be a ``Delete
 trip to every other shard, two thirds of a claim's cost. Now the first claim of a batch waits
 ``GATHER_SECONDS`` for others to join it, and then sends the batch; every claim of it is
 answered when its message is. Batches do not wait for each other: a shard slow to answer one
-delays only the claims that one holds (D394). A lone claim costs one message per shard, as
-before, and ``GATHER_SECONDS`` more.
+delays only the claims that one holds (D394). A batch gathers only the claims that tell the same
+shards, so a claim never waits for a shard it did not need (D396). A lone claim costs one
+message per shard, as before, and ``GATHER_SECONDS`` more.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ class StaleCopies:
 
     def __init__(self, send: Send) -> None:
         self._send = send
-        self._gathering: _Batch | None = None
+        self._gathering: dict[frozenset[int], _Batch] = {}
+        """The batch being gathered for each set of shards to tell (D396)."""
         self.messages = 0
         """Messages sent so far (one per shard per batch)."""
 
@@ -52,16 +54,17 @@ class StaleCopies:
             Exception: What sending the batch holding it raised (a shard's refusal, or no reply
                 within the message timeout).
         """
-        batch = self._gathering
+        told = frozenset(shards)
+        batch = self._gathering.get(told)
         first = batch is None
         if batch is None:
-            batch = self._gathering = _Batch()
-        for pid in shards:
+            batch = self._gathering[told] = _Batch()
+        for pid in told:
             batch.targets.setdefault(pid, []).append(episode)
         if first:
             with anyio.CancelScope(shield=True):  # the other claims of the batch wait on it
                 await anyio.sleep(GATHER_SECONDS)  # the claims that come meanwhile join it
-                self._gathering = None  # later claims start the next batch
+                del self._gathering[told]  # later claims start the next batch
                 await self._send_batch(batch)
         else:
             await batch.sent.wait()

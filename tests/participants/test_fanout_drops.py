@@ -1,4 +1,4 @@
-"""The stale restored copies of claimed keys, dropped in batches (D393, D394)."""
+"""The stale restored copies of claimed keys, dropped in batches (D393, D394, D396)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,22 @@ async def test_a_batch_slow_to_be_answered_does_not_hold_up_the_next() -> None:
         finally:
             shards.release.set()
     assert shards.answered == ["r1-a1", "r0-a1"]
+
+
+async def test_a_drop_waits_only_for_the_shards_it_tells() -> None:
+    """D396: two claims at once from two shards tell each other; a shard slow to answer holds
+    up the claims that need it, not the other shard's."""
+    shards = Shards(held={"r0-a1"})
+    drops = StaleCopies(shards.send)
+    async with anyio.create_task_group() as group:
+        try:
+            group.start_soon(drops.drop, [2], EPISODES[0])  # held by shard 2
+            with anyio.fail_after(5):
+                await drops.drop([3], EPISODES[1])  # in the same window, told shard 3 only
+            assert shards.answered == ["r1-a1"]
+        finally:
+            shards.release.set()
+    assert sorted(shards.arrived) == [(2, ["r0-a1"]), (3, ["r1-a1"])]
 
 
 async def test_a_refused_message_fails_the_drops_it_held_and_no_others() -> None:

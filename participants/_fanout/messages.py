@@ -222,8 +222,7 @@ class Retire(Ask[None]):
 
 
 class DeleteRestored(Ask[None]):
-    """Drop the restored state of each of ``episode_ids`` (another shard claimed it, or it left
-    scope); the claims that came together, in one message (D393)."""
+    """Drop the restored state of ``episode_ids`` (claimed elsewhere, or out of scope; D393)."""
 
     kind: Literal["delete_restored"] = "delete_restored"
     episode_ids: list[EpisodeId] = Field(min_length=1)

@@ -55,6 +55,8 @@ class StaleCopies:
                 within the message timeout).
         """
         told = frozenset(shards)
+        if not told:
+            return  # the only shard: nothing to tell, and nothing to wait for
         batch = self._gathering.get(told)
         first = batch is None
         if batch is None:

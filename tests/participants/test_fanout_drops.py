@@ -57,6 +57,11 @@ async def test_a_lone_drop_is_one_message_to_each_other_shard() -> None:
     await drops.drop([2, 3], EPISODES[0])
     assert sorted(shards.arrived) == [(2, ["r0-a1"]), (3, ["r0-a1"])]
     assert drops.messages == 2
+    # No other shard: no message, and no window; the call returns without suspending once.
+    alone = drops.drop([], EPISODES[1])
+    with pytest.raises(StopIteration):
+        alone.send(None)
+    assert drops.messages == 2
 
 
 async def test_drops_that_come_together_go_in_one_message_and_wait_for_its_answer() -> None:

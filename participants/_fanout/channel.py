@@ -57,6 +57,8 @@ MESSAGE_TIMEOUT_SECONDS: Final = 30.0
 """How long a light message (close, open, marks, report …) waits for its reply."""
 REPLY_GRACE_SECONDS: Final = 10.0
 """How long past a control call's own deadline its relayed reply is waited for."""
+SLOW_ANSWER_SECONDS: Final = 5.0
+"""An answer that took longer from its frame's arrival is logged with where the time went."""
 FANOUT_SOCKET_ENV: Final = "MIDFLIGHT_FANOUT_SOCKET"
 """The environment variable naming the fan-out's socket path in every shard process."""
 
@@ -202,7 +204,7 @@ class Channel:
                         group.start_soon(self._refuse_malformed, data, exc)
                         continue
                     if isinstance(frame, RequestFrame):
-                        group.start_soon(self._answer, dispatch, frame)
+                        group.start_soon(self._answer, dispatch, frame, anyio.current_time())
                     else:
                         self._resolve(frame)
         finally:
@@ -250,7 +252,35 @@ class Channel:
             pending.error = InternalError(detail)
             pending.done.set()
 
-    async def _answer(self, dispatch: Dispatch, frame: RequestFrame) -> None:
+    async def _answer(self, dispatch: Dispatch, frame: RequestFrame, arrived: float) -> None:
+        times = [arrived, anyio.current_time()]  # arrived, started, then handled
+        try:
+            await self._handle_and_reply(dispatch, frame, times)
+        finally:
+            self._log_if_slow(frame.message.kind, times)
+
+    def _log_if_slow(self, kind: str, times: list[float]) -> None:
+        """``fanout.slow_answer`` when the answer took ``SLOW_ANSWER_SECONDS`` or more from the
+        frame's arrival, split into: waiting for the event loop to start it, the handler, and
+        sending the reply (the send lock and the socket) (D397)."""
+        now = anyio.current_time()
+        arrived, started = times[0], times[1]
+        if now - arrived < SLOW_ANSWER_SECONDS:
+            return
+        handled = times[2] if len(times) > 2 else now
+        _log.warning(
+            "fanout.slow_answer",
+            kind=kind,
+            peer=self.peer,
+            seconds=round(now - arrived, 3),
+            waited_to_start_s=round(started - arrived, 3),
+            handler_s=round(handled - started, 3),
+            send_s=round(now - handled, 3),
+        )
+
+    async def _handle_and_reply(
+        self, dispatch: Dispatch, frame: RequestFrame, times: list[float]
+    ) -> None:
         message = frame.message
         handler = dispatch.handler(type(message))
         reply: ReplyFrame | ErrorFrame
@@ -270,6 +300,7 @@ class Channel:
                 reply_to=frame.id,
                 error=ErrorBody(status=500, code="internal_error", detail=type(exc).__name__),
             )
+        times.append(anyio.current_time())
         try:
             await self._send(reply)
         except WireError as exc:  # the reply itself cannot be framed

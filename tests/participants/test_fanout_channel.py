@@ -17,7 +17,9 @@ from typing import Any, get_args
 import anyio
 import pytest
 from anyio.abc import ByteStream
+from structlog.testing import capture_logs
 
+import participants._fanout.channel as channel_module
 from participants import listen_private
 from participants._fanout.channel import Channel, Dispatch, connect
 from participants._fanout.messages import (
@@ -291,3 +293,30 @@ async def test_a_reply_json_cannot_carry_is_an_internal_error_and_the_channel_go
         with pytest.raises(InternalError, match="shard_metrics cannot be written as JSON"):
             await near.request(ShardMetrics(), within=10)
         assert await near.request(Open(), within=10) is None
+
+
+async def test_a_slow_answer_is_logged_with_where_its_time_went(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D397: a worker answered ``delete_restored`` 21 s late, and nothing said where the time
+    went; an answer this slow now says how long it waited to start, in its handler, and on its
+    way back."""
+    monkeypatch.setattr(channel_module, "SLOW_ANSWER_SECONDS", 0.2)
+
+    async def slow(message: Open) -> None:
+        await anyio.sleep(0.3)
+
+    async def quick(message: Close) -> Readiness:
+        return READINESS
+
+    far = Dispatch().on(Open, slow).on(Close, quick)
+    async with channels(tmp_path, far) as near:
+        with capture_logs() as logs:
+            await near.request(Close(request=REQUEST, generation=1), within=10)
+            await near.request(Open(), within=10)
+    slow_answers = [e for e in logs if e["event"] == "fanout.slow_answer"]
+    assert [e["kind"] for e in slow_answers] == ["open"]
+    (logged,) = slow_answers
+    assert logged["peer"] == "near" and logged["log_level"] == "warning"
+    assert logged["handler_s"] >= 0.3 > logged["waited_to_start_s"] + logged["send_s"]
+    assert logged["seconds"] >= logged["handler_s"]

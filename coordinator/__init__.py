@@ -9,6 +9,8 @@
   that collide get a :class:`PublicationConflictError`;
 - :func:`checkpoint` and :class:`CheckpointOutcome`: prepare, commit, publish and resume in one
   call, blockers handed back when a participant stays blocked;
+- :func:`send_while_out_of_time`: an operation sent again, with a fresh deadline, while every
+  participant that refused it ran out of time (``CoordinationError.out_of_time``);
 - :func:`verify_checkpoint`, :func:`pin_checkpoint`, :func:`collect_garbage`: checking and
   clean-up of what was published;
 - :class:`LedgerClient`: the client of a model server's capture-ledger routes;
@@ -37,7 +39,7 @@ from ._layout import (
     checkpoint_location,
 )
 from ._ledger_client import LedgerClient
-from ._members import CoordinationError, Member
+from ._members import CoordinationError, Member, send_while_out_of_time
 from ._pool import http_transport
 from ._publish import (
     CheckpointManifest,
@@ -88,6 +90,7 @@ __all__ = [
     "publish_checkpoint",
     "read_checkpoint",
     "read_latest",
+    "send_while_out_of_time",
     "unpin_checkpoint",
     "verify_checkpoint",
 ]

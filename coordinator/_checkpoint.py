@@ -28,7 +28,7 @@ from protocols import (
 
 from ._fixed_order import Coordinator, PrepareResult
 from ._layout import CHECKPOINT_FILE, checkpoint_key, checkpoint_location, latest_id
-from ._members import CoordinationError
+from ._members import CoordinationError, send_while_out_of_time
 from ._publish import CheckpointManifest, publish_checkpoint
 from ._tracing import checkpoint_trace
 
@@ -90,18 +90,18 @@ class _Commits:
     async def __call__(
         self, scope: Sequence[EpisodeId] | None, kinds: Sequence[ParticipantKind] | None = None
     ) -> dict[str, CommitReply]:
-        sent = 1
-        while True:
-            try:
-                return await self.coordinator.commit(
-                    self.checkpoint_id, self.deadline, self.directory, scope, kinds=kinds
-                )
-            except CoordinationError as error:
-                if sent >= self.sends or not error.out_of_time:
-                    raise
-            sent += 1
+        async def send(deadline: float) -> dict[str, CommitReply]:
+            self.deadline = deadline  # a later commit of the checkpoint starts from it
+            return await self.coordinator.commit(
+                self.checkpoint_id, deadline, self.directory, scope, kinds=kinds
+            )
+
+        async def count(error: CoordinationError) -> None:
             self.resent += 1
-            self.deadline = time.time() + self.deadline_seconds
+
+        return await send_while_out_of_time(
+            send, self.deadline, seconds=self.deadline_seconds, sends=self.sends, on_resend=count
+        )
 
 
 async def _commit_what_the_environment_exports(

@@ -7,6 +7,7 @@ participant's own span in its own process is a child of it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -57,6 +58,37 @@ class CoordinationError(MidflightError):
         return bool(causes) and all(
             isinstance(cause, DeadlineExceededError | TimeoutError) for cause in causes
         )
+
+
+async def send_while_out_of_time(
+    send: Callable[[float], Awaitable[T]],
+    deadline: float,
+    *,
+    seconds: float,
+    sends: int,
+    on_resend: Callable[[CoordinationError], Awaitable[None]] | None = None,
+) -> T:
+    """``send(deadline)``, sent again while every participant that refused it ran out of time.
+
+    Each send after the first gets a fresh deadline ``seconds`` away, at most ``sends`` sends in
+    all; ``on_resend`` hears of each refusal that is sent again. Only for an operation a repeat
+    cannot do twice: a commit (the repeat waits for the write the first began), a retire or a
+    resume (idempotent) (D388, D390, D392, D395).
+
+    Raises:
+        CoordinationError: Any other refusal, or still out of time after the last send.
+    """
+    sent = 1
+    while True:
+        try:
+            return await send(deadline)
+        except CoordinationError as error:
+            if sent >= sends or not error.out_of_time:
+                raise
+            if on_resend is not None:
+                await on_resend(error)
+        sent += 1
+        deadline = time.time() + seconds
 
 
 @dataclass(frozen=True)

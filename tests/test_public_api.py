@@ -105,6 +105,7 @@ PUBLIC = {
         "DESCRIBE_METHOD", "HostedServer", "discover_on_ray", "hosted_on_ray",
         "is_pinned",  # what `pin` tells its user it changed (D367)
         "IDLE_CONNECTION_EXPIRY_S",  # one figure for every client's idle connections (D375)
+        "send_while_out_of_time",  # one resend rule for commit, retire and resume (D392)
         "http_transport",  # httpcore's pool with a linear pass that spares held connections (D381)
     ],
     "e2e": [

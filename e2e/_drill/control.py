@@ -9,17 +9,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import anyio
 import httpx
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential
 
 from coordinator import (
-    CoordinationError,
     Coordinator,
     LedgerClient,
     PrepareResult,
@@ -28,6 +27,7 @@ from coordinator import (
     http_transport,
     publish_checkpoint,
     read_latest,
+    send_while_out_of_time,
 )
 from coordinator.testing import PUBLISH_FAULTS
 from participants import live_ledger_keys
@@ -43,29 +43,10 @@ from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
 from .store import delivered_rows
 
-T = TypeVar("T")
 OPERATION_SECONDS = 30.0
 OUT_OF_TIME_SENDS = 3
 """Most times the controller sends one commit or retire that servers refused for time alone
 (``deadline_exceeded``, retryable with the same id; D388, D390)."""
-
-
-async def sent_while_out_of_time(send: Callable[[float], Awaitable[T]], seconds: float) -> T:
-    """``send(deadline)`` with a deadline ``seconds`` away; sent again with a fresh one while
-    every server that refused it refused for time alone, at most ``OUT_OF_TIME_SENDS`` times in
-    all (D390, D395). Only for an operation that is idempotent: a retire, a resume.
-
-    Raises:
-        CoordinationError: Any other refusal, or still out of time after the last send.
-    """
-    sent = 1
-    while True:
-        try:
-            return await send(time.time() + seconds)
-        except CoordinationError as error:
-            if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
-                raise
-        sent += 1
 
 
 @dataclass(frozen=True)
@@ -149,9 +130,11 @@ class ControlSession:
         sent again with a window as long as the first, as a retire is. A resume is idempotent:
         a server already resumed answers from its record (D395)."""
         coordinator = await self.coordinator()
-        seconds = max(deadline - time.time(), 1.0)
-        await sent_while_out_of_time(
-            lambda deadline: coordinator.resume(checkpoint_id, deadline), seconds
+        await send_while_out_of_time(
+            lambda deadline: coordinator.resume(checkpoint_id, deadline),
+            deadline,
+            seconds=max(deadline - time.time(), 1.0),
+            sends=OUT_OF_TIME_SENDS,
         )
 
     async def restore(
@@ -170,9 +153,11 @@ class ControlSession:
         again with a fresh deadline, at most ``OUT_OF_TIME_SENDS`` times in all. A retire is
         idempotent, and what one cut short left running stays tracked for the next (D390)."""
         coordinator = await self.coordinator()
-        await sent_while_out_of_time(
+        await send_while_out_of_time(
             lambda deadline: coordinator.retire(checkpoint_id, deadline, episodes),
-            OPERATION_SECONDS,
+            time.time() + OPERATION_SECONDS,
+            seconds=OPERATION_SECONDS,
+            sends=OUT_OF_TIME_SENDS,
         )
 
     async def forget(self, checkpoint_id: str, rollout_ids: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ from coordinator import (
     PrepareResult,
     checkpoint_trace,
     hosted_on_ray,
+    send_while_out_of_time,
 )
 from protocols import EpisodeId, open_store
 
@@ -180,17 +181,18 @@ class Driver(RolloutDispatcher):
             CoordinationError: Any other refusal, or still out of time after
                 ``OUT_OF_TIME_SENDS``.
         """
-        sent = 1
-        while True:
-            try:
-                return await self.control.commit(checkpoint_id, deadline, directory, episodes)
-            except CoordinationError as error:
-                if sent >= OUT_OF_TIME_SENDS or not error.out_of_time:
-                    raise
-                refused = sorted(error.failures)
-            sent += 1
-            deadline = time.time() + DEADLINE_SECONDS
+
+        async def logged(error: CoordinationError) -> None:
+            refused = sorted(error.failures)
             await self.log({"event": "commit_retried", "id": checkpoint_id, "refused": refused})
+
+        return await send_while_out_of_time(
+            lambda deadline: self.control.commit(checkpoint_id, deadline, directory, episodes),
+            deadline,
+            seconds=DEADLINE_SECONDS,
+            sends=OUT_OF_TIME_SENDS,
+            on_resend=logged,
+        )
 
     async def _abandon(self, checkpoint_id: str, why: str, committed: str | None = None) -> bool:
         """Resume without publishing (removing what was ``committed``, if anything); False."""

@@ -253,21 +253,25 @@ class Channel:
             pending.done.set()
 
     async def _answer(self, dispatch: Dispatch, frame: RequestFrame, arrived: float) -> None:
-        times = [arrived, anyio.current_time()]  # arrived, started, then handled
+        started = anyio.current_time()
+        handled: float | None = None
         try:
-            await self._handle_and_reply(dispatch, frame, times)
+            reply = await self._reply_to(dispatch, frame)
+            handled = anyio.current_time()
+            await self._send_reply(frame, reply)
         finally:
-            self._log_if_slow(frame.message.kind, times)
+            self._log_if_slow(frame.message.kind, arrived, started, handled)
 
-    def _log_if_slow(self, kind: str, times: list[float]) -> None:
+    def _log_if_slow(
+        self, kind: str, arrived: float, started: float, handled: float | None
+    ) -> None:
         """``fanout.slow_answer`` when the answer took ``SLOW_ANSWER_SECONDS`` or more from the
         frame's arrival, split into: waiting for the event loop to start it, the handler, and
         sending the reply (the send lock and the socket) (D397)."""
         now = anyio.current_time()
-        arrived, started = times[0], times[1]
         if now - arrived < SLOW_ANSWER_SECONDS:
             return
-        handled = times[2] if len(times) > 2 else now
+        handled = now if handled is None else handled
         _log.warning(
             "fanout.slow_answer",
             kind=kind,
@@ -278,9 +282,8 @@ class Channel:
             send_s=round(now - handled, 3),
         )
 
-    async def _handle_and_reply(
-        self, dispatch: Dispatch, frame: RequestFrame, times: list[float]
-    ) -> None:
+    async def _reply_to(self, dispatch: Dispatch, frame: RequestFrame) -> ReplyFrame | ErrorFrame:
+        """The handler's reply, or the refusal it raised."""
         message = frame.message
         handler = dispatch.handler(type(message))
         reply: ReplyFrame | ErrorFrame
@@ -300,7 +303,10 @@ class Channel:
                 reply_to=frame.id,
                 error=ErrorBody(status=500, code="internal_error", detail=type(exc).__name__),
             )
-        times.append(anyio.current_time())
+        return reply
+
+    async def _send_reply(self, frame: RequestFrame, reply: ReplyFrame | ErrorFrame) -> None:
+        message = frame.message
         try:
             await self._send(reply)
         except WireError as exc:  # the reply itself cannot be framed

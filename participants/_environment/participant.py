@@ -131,9 +131,16 @@ class EnvironmentParticipant(BaseParticipant):
         return outcome[0]
 
     async def _claim(self, key: str) -> None:
-        """With several processes, every shard holds the restored records: one claim wins each."""
+        """With several processes, every shard holds the restored records: one claim wins each.
+
+        While a checkpoint is open the fan-out refuses every claim, so a shard that was told
+        refuses here, without a round trip: a controller retrying thousands of restored rollouts
+        against a closed admission would otherwise send the fan-out a claim for each (D400).
+        """
         if self.claim_restored is None or key not in self.restored:
             return
+        if not self.steps.accepting:
+            raise AdmissionClosedError("a checkpoint is open; send the same attempt after resume")
         if not await self.claim_restored(key):
             self.restored.pop(key, None)
             self.changes.notify()

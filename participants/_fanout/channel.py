@@ -24,7 +24,6 @@ from typing import Any, Final, TypeVar, cast
 import anyio
 import structlog
 from anyio.abc import ByteStream
-from anyio.streams.buffered import BufferedByteReceiveStream
 from pydantic import TypeAdapter, ValidationError
 from pydantic_core import PydanticSerializationError
 
@@ -39,6 +38,7 @@ from protocols import (
 )
 
 from .._tracing import checkpoint_span, continued, current_traceparent
+from .framing import FrameReader, FrameWriter
 from .messages import (
     FRAMES,
     Ask,
@@ -68,7 +68,6 @@ Handler = Callable[[Any], Awaitable[Any]]
 """Answers one message with its reply; raises a ``WireError`` to refuse."""
 
 _log = structlog.get_logger("midflight.fanout")
-_HEADER_BYTES: Final = 4
 
 
 class Dispatch:
@@ -119,8 +118,8 @@ class Channel:
         self.peer = peer
         self._span_answers = span_answers
         self._stream = stream
-        self._reader = BufferedByteReceiveStream(stream)
-        self._send_lock = anyio.Lock()
+        self._reader = FrameReader(stream, max_bytes=FRAME_MAX_BYTES)
+        self._writer = FrameWriter(stream)
         self._next_id = 0
         self._waiting: dict[int, _Pending] = {}
         self.closed = anyio.Event()
@@ -131,15 +130,14 @@ class Channel:
             raise InvalidCheckpointStateError(
                 f"a {len(data)}-byte message to {self.peer} exceeds the {FRAME_MAX_BYTES}-byte frame"
             )
-        async with self._send_lock:
-            await self._stream.send(len(data).to_bytes(_HEADER_BYTES, "big") + data)
+        await self._writer.put(data)
 
     async def _receive(self) -> bytes:
-        length = int.from_bytes(await self._reader.receive_exactly(_HEADER_BYTES), "big")
-        if length > FRAME_MAX_BYTES:
+        try:
+            return await self._reader.next()
+        except ValueError as exc:
             # The stream cannot be trusted past a length this wrong: the connection ends.
-            raise ValueError(f"{self.peer} sent a {length}-byte frame (limit {FRAME_MAX_BYTES})")
-        return await self._reader.receive_exactly(length)
+            raise ValueError(f"{self.peer} sent {exc}") from None
 
     async def request(self, message: Ask[ReplyT], *, within: float) -> ReplyT:
         """Send one message and wait, at most ``within`` seconds, for its checked reply.
@@ -185,6 +183,7 @@ class Channel:
         """
         try:
             async with anyio.create_task_group() as group:
+                group.start_soon(self._writer.run)
                 while True:
                     try:
                         data = await self._receive()
@@ -267,7 +266,8 @@ class Channel:
     ) -> None:
         """``fanout.slow_answer`` when the answer took ``SLOW_ANSWER_SECONDS`` or more from the
         frame's arrival, split into: waiting for the event loop to start it, the handler, and
-        sending the reply (the send lock and the socket) (D397)."""
+        queueing the reply (which waits only while the writer is behind by more than its high
+        water mark; D397, D399)."""
         now = anyio.current_time()
         if now - arrived < SLOW_ANSWER_SECONDS:
             return

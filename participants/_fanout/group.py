@@ -111,7 +111,8 @@ class ProcessFanout(ShardRoster):
     ) -> None:
         super().__init__(kind, instance, expected=expected)
         self.placement = placement
-        self.claimed: set[str] = set()
+        self.claimed: dict[str, int] = {}
+        """Restored keys claimed since the last install: capture key → the claiming shard."""
         self.stale_copies = StaleCopies(self._drop_restored)
         """The other shards' copies of what was claimed, dropped in batches (D393)."""
         self._manifest: dict[str, Any] | None = None
@@ -258,7 +259,7 @@ class ProcessFanout(ShardRoster):
         if self.served_live_work():
             raise CheckpointError("restore needs fresh processes: one has served live work")
         by_slot = split_by_slot(records, scope, self.expected)
-        self.claimed = set()
+        self.claimed = {}
         async with anyio.create_task_group() as group:
             for shard in list(self.shards.values()):
                 share, share_scope = by_slot[shard.slot]
@@ -272,9 +273,11 @@ class ProcessFanout(ShardRoster):
         one message per shard for the claims that come together; D393)."""
         if self.closed_request is not None:
             raise AdmissionClosedError("a checkpoint is open; claim restored state after resume")
-        if capture_key in self.claimed:
+        owner = self.claimed.setdefault(capture_key, shard.pid)
+        if owner != shard.pid:
             return False
-        self.claimed.add(capture_key)
+        # The same shard asking again (its first answer lost, or its run refused after the
+        # claim) is answered yes again, once the other copies are gone (D401).
         others = [pid for pid in self.shards if pid != shard.pid]
         episode = EpisodeId.from_capture_key(capture_key)
         await self.stale_copies.drop(others, episode)

@@ -127,6 +127,19 @@ async def _checkpoint_mid_activation(env: Env) -> None:
     await env.commit("c1", ["r1"])
 
 
+async def _restore_and_resume(env: Env, tmp_path: Path) -> None:
+    """Restore ``r1`` from checkpoint ``c1`` under ``tmp_path``, then resume."""
+    await env.plane.restore(
+        RestoreRequest(
+            checkpoint_id="r-1",
+            deadline_ts=soon(),
+            checkpoint_dir=str(tmp_path / "c1"),
+            episode_ids=[ep("r1")],
+        )
+    )
+    await env.resume("r-1")
+
+
 async def test_a_restored_episode_continues_from_its_boundary_as_the_next_attempt(
     tmp_path: Path,
 ) -> None:
@@ -166,15 +179,7 @@ async def test_restored_records_are_carried_into_a_later_commit_only_when_in_sco
     async with environment(tmp_path) as first:
         await _checkpoint_mid_activation(first)
     async with environment(tmp_path) as second:
-        await second.plane.restore(
-            RestoreRequest(
-                checkpoint_id="r-1",
-                deadline_ts=soon(),
-                checkpoint_dir=str(tmp_path / "c1"),
-                episode_ids=[ep("r1")],
-            )
-        )
-        await second.resume("r-1")
+        await _restore_and_resume(second, tmp_path)
         assert await second.prepare("c2") is Phase.PREPARED
         (record,) = await second.commit("c2", ["r1-a1"])
         assert record["episode_id"] == {"rollout_id": "r1", "attempt": 1}
@@ -189,15 +194,7 @@ async def test_a_restored_key_sent_with_another_task_is_refused(tmp_path: Path) 
     async with environment(tmp_path) as first:
         await _checkpoint_mid_activation(first)
     async with environment(tmp_path) as second:
-        await second.plane.restore(
-            RestoreRequest(
-                checkpoint_id="r-1",
-                deadline_ts=soon(),
-                checkpoint_dir=str(tmp_path / "c1"),
-                episode_ids=[ep("r1")],
-            )
-        )
-        await second.resume("r-1")
+        await _restore_and_resume(second, tmp_path)
         with pytest.raises(CheckpointError, match="different task"):
             await second.participant.run(ep("r1-a1"), task(activations=3))
         assert second.participant.restored_pending() == [ep("r1-a1")]
@@ -299,16 +296,42 @@ async def test_a_verify_in_flight_at_the_checkpoint_is_rerun_after_restore_only_
         await first.commit("c1", ["r1"])  # the crash comes before any resume
     fresh = ScriptedPeers(verify_mode=verify_mode)
     async with environment(tmp_path, fresh) as second:
-        await second.plane.restore(
-            RestoreRequest(
-                checkpoint_id="r-1",
-                deadline_ts=soon(),
-                checkpoint_dir=str(tmp_path / "c1"),
-                episode_ids=[ep("r1")],
-            )
-        )
-        await second.resume("r-1")
+        await _restore_and_resume(second, tmp_path)
         second.start("r1-a1")
         assert (await second.outcome("r1-a1")).result["reward"] == 0.42
     assert "seed_resources" not in fresh.names()  # continued from the checkpoint, not rerun
     assert ("verify" in fresh.names("r1-a1")) is (verify_mode == "replay")
+
+
+async def test_a_worker_refuses_a_restored_run_while_closed_without_asking_the_fan_out(
+    tmp_path: Path,
+) -> None:
+    """A shard of a server with several workers claims a restored key from its fan-out, which
+    refuses every claim while a checkpoint is open; the shard knows it is closed, so a retried
+    run is refused on the spot, with no claim sent (D400)."""
+    async with environment(tmp_path) as first:
+        await _checkpoint_mid_activation(first)
+    async with environment(tmp_path) as second:
+        await _restore_and_resume(second, tmp_path)
+        claims: list[str] = []
+
+        async def claim(key: str) -> bool:
+            claims.append(key)
+            if not second.participant.steps.accepting:
+                raise AdmissionClosedError(
+                    "a checkpoint is open; claim restored state after resume"
+                )
+            return True
+
+        second.participant.claim_restored = claim
+        assert await second.prepare("c2") is Phase.PREPARED
+        for _ in range(3):
+            with pytest.raises(AdmissionClosedError):
+                await second.participant.run(ep("r1-a1"), task())
+        assert claims == []
+        assert second.participant.restored_pending() == [ep("r1-a1")]
+        await second.resume("c2")
+        second.start("r1-a1")
+        outcome = await second.outcome("r1-a1")
+    assert claims == ["r1-a1"]
+    assert outcome.result == {"reward": 0.42, "model_calls": 4, "tool_calls": 4}

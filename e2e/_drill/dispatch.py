@@ -11,7 +11,7 @@ import random
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import anyio.lowlevel
@@ -38,6 +38,42 @@ sent again after a pause that doubles from 50 ms to 1 s, each drawn from 0.5 to 
 size (D372). A fixed 50 ms made 2,000 refused rollouts send 40,000 requests a second at one
 environment server while a checkpoint held its admission closed, and new connections to it
 then timed out."""
+
+
+REOPEN_WAIT_S: Final = 120.0
+"""The longest a ``/run`` refused while this controller holds admission closed waits for the
+controller's own resume before it is sent again anyway (D402)."""
+
+
+class AdmissionGate:
+    """Whether this controller holds admission closed: from its prepare until its resume.
+
+    A ``/run`` refused meanwhile is sent again once the gate opens, spread over a pause, instead
+    of every second while the checkpoint lasts (D402).
+    """
+
+    def __init__(self) -> None:
+        self._open = anyio.Event()
+        self._open.set()
+
+    @property
+    def is_open(self) -> bool:
+        """Whether no checkpoint of this controller holds admission closed."""
+        return self._open.is_set()
+
+    def close(self) -> None:
+        """A prepare is about to be sent."""
+        if self._open.is_set():
+            self._open = anyio.Event()
+
+    def open(self) -> None:
+        """The resume that follows it returned."""
+        self._open.set()
+
+    async def wait_open(self, within: float) -> None:
+        """Wait until the gate opens, at most ``within`` seconds."""
+        with anyio.move_on_after(within):
+            await self._open.wait()
 
 
 def next_pause(pause: float) -> float:
@@ -69,6 +105,7 @@ class RolloutDispatcher:
         self.owed: dict[str, int] = {}
         self.done_events: dict[str, anyio.Event] = {}
         self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
+        self.admission = AdmissionGate()
         self.control = ControlSession(cluster, token)
         self.http = httpx.AsyncClient(  # no connect retries: a /run never sent is resent (D372)
             timeout=httpx.Timeout(900.0, connect=10.0),
@@ -139,8 +176,13 @@ class RolloutDispatcher:
                 code = error_code(reply)
                 if code == "admission_closed":
                     refused.set()  # not running anywhere: a commit need not wait for it
-                    await anyio.sleep(jittered(pause))  # same attempt after the resume
-                    pause = next_pause(pause)
+                    if self.admission.is_open:
+                        await anyio.sleep(jittered(pause))  # same attempt after the resume
+                        pause = next_pause(pause)
+                    else:
+                        # Closed by this controller's own checkpoint: after its resume (D402).
+                        await self.admission.wait_open(REOPEN_WAIT_S)
+                        await anyio.sleep(jittered(LAST_PAUSE_S))
                     continue
                 break
             if reply.status_code != 200 or "result" not in reply.json():

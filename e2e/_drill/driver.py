@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import anyio
@@ -88,6 +89,7 @@ class Driver(RolloutDispatcher):
         directory = self.control.checkpoint_dir(self.checkpoints_at, checkpoint_id)
         deadline = time.time() + DEADLINE_SECONDS
         scope = {**self.owed, **self.in_flight}  # dispatched, or restored and still to dispatch
+        self.admission.close()
         prepared = await self.control.prepare(checkpoint_id, deadline)
         forced: list[EpisodeId] = []
         candidates = self.retirable()  # none finished meanwhile, none being accepted
@@ -95,7 +97,7 @@ class Driver(RolloutDispatcher):
             rollout, attempt = candidates[min(len(candidates) - 1, int(block * len(candidates)))]
             forced = [EpisodeId(rollout_id=rollout, attempt=attempt)]
         if not prepared.prepared or forced:
-            await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+            await self._resume(checkpoint_id)
             stragglers = forced or prepared.blocking_episodes()
             await self.log(
                 {
@@ -134,11 +136,13 @@ class Driver(RolloutDispatcher):
                 return await self._abandon(checkpoint_id, "no cut", directory)
             if not await self.control.delivered_calls(directory):
                 return await self._abandon(checkpoint_id, "no delivered call", directory)
-        for rollout, attempt in scope.items():  # replies already on the wire finish first
-            key = EpisodeId(rollout_id=rollout, attempt=attempt).capture_key
-            if key not in exported and key not in restarts and rollout in self.done_events:
-                with anyio.move_on_after(DEADLINE_SECONDS):
-                    await self.finished_or_refused(rollout)
+        await self._wait_on_the_wire(
+            rollout
+            for rollout, attempt in scope.items()
+            if (key := EpisodeId(rollout_id=rollout, attempt=attempt).capture_key) not in exported
+            and key not in restarts
+            and rollout in self.done_events
+        )
         continued = [e for e in episodes if e.capture_key in exported]
         state = ControllerState(
             accepted=dict(self.state.accepted), attempts=dict(self.state.attempts)
@@ -163,7 +167,7 @@ class Driver(RolloutDispatcher):
                 "generation_cuts": self.last_cuts,
             }
         )
-        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        await self._resume(checkpoint_id)
         self.say(f"checkpointed {checkpoint_id}")
         return True
 
@@ -194,9 +198,27 @@ class Driver(RolloutDispatcher):
             on_resend=logged,
         )
 
+    async def _resume(self, checkpoint_id: str) -> None:
+        """Resume a checkpoint of this controller, then send the runs it refused (D402)."""
+        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        self.admission.open()
+
+    async def _wait_on_the_wire(self, rollouts: Iterable[str]) -> None:
+        """Let replies already on the wire finish first: each rollout left out of the export
+        until it ends or is refused, within ``DEADLINE_SECONDS`` of its own, all at once (one
+        after another, thousands of them held the checkpoint open for minutes; D402)."""
+
+        async def one(rollout: str) -> None:
+            with anyio.move_on_after(DEADLINE_SECONDS):
+                await self.finished_or_refused(rollout)
+
+        async with anyio.create_task_group() as group:
+            for rollout in rollouts:
+                group.start_soon(one, rollout)
+
     async def _abandon(self, checkpoint_id: str, why: str, committed: str | None = None) -> bool:
         """Resume without publishing (removing what was ``committed``, if anything); False."""
-        await self.control.resume(checkpoint_id, time.time() + DEADLINE_SECONDS)
+        await self._resume(checkpoint_id)
         if committed is not None:
             await anyio.to_thread.run_sync(remove_checkpoint, committed)
         await self.log({"event": "checkpoint_abandoned", "id": checkpoint_id, "why": why})

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -81,6 +82,7 @@ async def test_a_commit_names_restored_attempts_that_have_not_started(tmp_path: 
         driver.in_flight = {"r2": 0}
         assert await driver.checkpoint(0)
         assert control.scopes == [["r1-a1", "r2"]]
+        assert driver.admission.is_open  # its resume reopened what its prepare closed (D402)
     finally:
         await driver.http.aclose()
 
@@ -313,6 +315,54 @@ async def test_a_refused_run_is_sent_again_after_pauses_that_grow(tmp_path: Path
         gaps
     )  # 50 ms times 0.5 to 1.5, then 800 ms times 0.5 to 1.5
     assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_failed"]
+
+
+async def test_a_run_refused_while_this_controller_holds_admission_closed_waits_for_its_resume(
+    tmp_path: Path,
+) -> None:
+    # D402: thousands of refused rollouts re-sent every second for as long as the controller's
+    # own checkpoint lasted saturated the controller, whose checkpoint then waited on them.
+    sent: list[str] = []
+
+    def on_run(request: httpx.Request) -> httpx.Response:
+        sent.append("run")
+        if len(sent) == 1:
+            return httpx.Response(409, json={"error": {"code": "admission_closed", "detail": ""}})
+        return httpx.Response(200, json={"failure": {"code": "x", "detail": "ended"}})
+
+    driver = _driver_with_environment(tmp_path, on_run, {})
+    driver.admission.close()  # as the controller's prepare does
+    try:
+        async with anyio.create_task_group() as group:
+            group.start_soon(driver.run_attempt, "r1", 0)
+            await anyio.sleep(1.0)  # the pauses of D372 would have sent it four times by now
+            assert sent == ["run"]
+            driver.admission.open()  # as the controller's resume does
+            with anyio.fail_after(10):
+                await driver.done_events["r1"].wait()
+    finally:
+        await driver.http.aclose()
+    assert sent == ["run", "run"]
+    assert [e["event"] for e in _events(tmp_path)] == ["dispatch", "run_failed"]
+
+
+async def test_replies_on_the_wire_are_waited_for_all_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # D402: one after another, each with its own 30 s, the waits held a checkpoint for minutes.
+    monkeypatch.setattr("e2e._drill.driver.DEADLINE_SECONDS", 0.5)
+    plan = DriverPlan(rollouts=["r1"], task_input={}, phase=0, checkpoints=0, crash_after=False)
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    rollouts = [f"r{n}" for n in range(40)]  # none ends: each wait runs out its own deadline
+    for rollout in rollouts:
+        driver.done_events[rollout] = anyio.Event()
+        driver.refused_events[rollout] = anyio.Event()
+    driver.done_events["r7"].set()
+    try:
+        with anyio.fail_after(5):  # one after another: 40 x 0.5 s
+            await driver._wait_on_the_wire(rollouts)
+    finally:
+        await driver.http.aclose()
 
 
 async def test_a_run_whose_connection_was_never_made_is_sent_again(tmp_path: Path) -> None:

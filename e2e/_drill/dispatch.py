@@ -40,6 +40,8 @@ environment server while a checkpoint held its admission closed, and new connect
 then timed out."""
 
 
+FILL_WAIT_S: Final = 120.0
+"""The longest a phase waits for its dispatcher to fill before its first checkpoint (D403)."""
 REOPEN_WAIT_S: Final = 120.0
 """The longest a ``/run`` refused while this controller holds admission closed waits for the
 controller's own resume before it is sent again anyway (D402)."""
@@ -106,6 +108,7 @@ class RolloutDispatcher:
         self.done_events: dict[str, anyio.Event] = {}
         self.refused_events: dict[str, anyio.Event] = {}  # set when /run meets a closed admission
         self.admission = AdmissionGate()
+        self.filled = anyio.Event()  # set once the dispatcher reached its concurrency (D403)
         self.control = ControlSession(cluster, token)
         self.http = httpx.AsyncClient(  # no connect retries: a /run never sent is resent (D372)
             timeout=httpx.Timeout(900.0, connect=10.0),
@@ -274,6 +277,13 @@ class RolloutDispatcher:
     def finished(self) -> bool:
         """Whether every rollout of the plan has an accepted result."""
         return all(rollout in self.state.accepted for rollout in self.plan.rollouts)
+
+    async def wait_until_filled(self) -> None:
+        """Wait (at most ``FILL_WAIT_S``) until the dispatcher has as many rollouts in flight as
+        the run carries at once, or has sent them all: a phase's checkpoints come after that, so
+        a drill of thousands at once checkpoints thousands in flight (D403)."""
+        with anyio.move_on_after(FILL_WAIT_S):
+            await self.filled.wait()
 
     async def wait_for_model_calls_in_flight(self) -> bool:
         """Wait (bounded) until the policy server is generating; False when everything finished."""

@@ -1,10 +1,9 @@
 """The rollout driver: the training controller of the drill, run as its own process.
 
 It dispatches ``/run`` per rollout, checkpoints while model calls are in flight, and after a crash
-rolls its own state back to the restored checkpoint, restores the servers, re-dispatches the
-continued episodes as their next attempt, retires every other logged unfinished attempt before
-running it again, and probes the fenced attempts on every participant kind. Everything it does
-is logged (fsynced) to ``<root>/evidence/driver.jsonl`` before it acts on it.
+rolls its state back to the restored checkpoint, restores the servers, re-dispatches the continued
+episodes as their next attempt, retires every other logged unfinished attempt, and probes the
+fenced attempts on every kind. It logs (fsynced) all it does to ``<root>/evidence/driver.jsonl``.
 
 The drill talks to it through stdout lines: ``checkpointed <id>``, ``crash-point`` (kill me now)
 and ``done``.
@@ -204,9 +203,8 @@ class Driver(RolloutDispatcher):
         self.admission.open()
 
     async def _wait_on_the_wire(self, rollouts: Iterable[str]) -> None:
-        """Let replies already on the wire finish first: each rollout left out of the export
-        until it ends or is refused, within ``DEADLINE_SECONDS`` of its own, all at once (one
-        after another, thousands of them held the checkpoint open for minutes; D402)."""
+        """Let replies on the wire finish first: each rollout left out of the export until it
+        ends or is refused, within ``DEADLINE_SECONDS`` of its own, all at once (D402)."""
 
         async def one(rollout: str) -> None:
             with anyio.move_on_after(DEADLINE_SECONDS):
@@ -329,14 +327,17 @@ class Driver(RolloutDispatcher):
             async def dispatcher() -> None:
                 for rollout in order:
                     while len(self.in_flight) >= self.plan.concurrency:
+                        self.filled.set()
                         self.wake = anyio.Event()
                         await self.wake.wait()
                     attempt = queued[rollout]
                     self.state.attempts[rollout] = attempt
                     group.start_soon(self.run_rollout, rollout, attempt)
                     await anyio.lowlevel.checkpoint()
+                self.filled.set()
 
             group.start_soon(dispatcher)
+            await self.wait_until_filled()
             taken = index = 0
             while taken < self.plan.checkpoints:
                 if not await self.wait_for_model_calls_in_flight():

@@ -442,3 +442,55 @@ async def test_a_phase_whose_rollouts_all_finished_still_publishes_a_checkpoint_
 
 class _CrashPoint(Exception):
     """Where the phase would wait for its SIGKILL."""
+
+
+async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path: Path) -> None:
+    """D403: a drill of 4,000 at once took its checkpoints 2-3 s into each phase, with a few
+    hundred rollouts sent, so its crashes restored under 200 rollouts, not thousands."""
+    release = anyio.Event()
+
+    async def on_run(request: httpx.Request) -> httpx.Response:
+        await release.wait()  # every run stays in flight
+        return httpx.Response(200, json={"failure": {"code": "x", "detail": "ended"}})
+
+    plan = DriverPlan(
+        rollouts=[f"r{n}" for n in range(40)],
+        task_input={},
+        phase=0,
+        checkpoints=1,
+        crash_after=True,
+        concurrency=30,
+        commit_delay_s=0,
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    control = _CutControl(tmp_path, cuts=[["r0"]])
+    in_flight_at_prepare: list[int] = []
+    prepare = control.prepare
+
+    async def counting_prepare(checkpoint_id: str, deadline: float) -> PrepareResult:
+        in_flight_at_prepare.append(len(driver.in_flight))
+        return await prepare(checkpoint_id, deadline)
+
+    async def generating() -> int:
+        return 1  # a model call is in flight from the start
+
+    control.prepare = counting_prepare  # type: ignore[method-assign]
+    control.model_calls_in_flight = generating  # type: ignore[attr-defined]
+    driver.control = control  # type: ignore[assignment]
+    driver.http = httpx.AsyncClient(transport=httpx.MockTransport(on_run))
+
+    def say(line: str) -> None:
+        if line == "crash-point":
+            raise _CrashPoint
+
+    driver.say = say  # type: ignore[method-assign]
+    crashed = False
+    try:
+        with anyio.fail_after(20):
+            await driver.run()
+    except* _CrashPoint:
+        crashed = True
+    finally:
+        await driver.http.aclose()
+    assert crashed
+    assert in_flight_at_prepare == [30]

@@ -131,7 +131,7 @@ class Driver(RolloutDispatcher):
         # Taken while every rollout waits on its first call, a commit has a cut but no delivered
         # call, and its restore shows nothing about repeats (D360).
         if for_crash and exported:
-            if not self.last_cuts:
+            if not self.last_cuts or not await self.control.cut_tokens(directory):  # D404
                 return await self._abandon(checkpoint_id, "no cut", directory)
             if not await self.control.delivered_calls(directory):
                 return await self._abandon(checkpoint_id, "no delivered call", directory)

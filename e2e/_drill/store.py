@@ -110,6 +110,23 @@ def delivered_rows(checkpoint_dir: Path | str) -> Iterator[tuple[str, dict[str, 
                 yield rollout, row
 
 
+def cut_prefix_tokens(checkpoint_dir: Path | str) -> int:
+    """Tokens the generation cuts of a checkpoint's model shares saved (their prefixes, summed).
+
+    A cut taken before its generation produced a token saves nothing, so a restore of it shows
+    nothing continued (D404). Blocking: run it in a worker thread.
+    """
+    total = 0
+    for location in model_shares(checkpoint_dir):
+        share = read_participant_checkpoint(
+            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
+        )
+        for record in share.records:
+            for cut in record.get("generation_cuts", []):
+                total += int(cut.get("continuation", {}).get("prefix_token_count", 0))
+    return total
+
+
 def published_checkpoints(checkpoints_at: Path | str) -> list[str]:
     """The ids of the checkpoints published under a run's checkpoint root, sorted."""
     store = open_store(checkpoints_at)

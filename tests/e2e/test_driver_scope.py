@@ -170,9 +170,11 @@ class _CutControl(_Control):
         cuts: list[list[str]],
         cut_at_prepare: int = 1,
         delivered: list[int] | None = None,
+        cut_tokens: list[int] | None = None,
     ) -> None:
         super().__init__(root)
         self.cuts = cuts
+        self.saved = cut_tokens  # tokens each commit's cuts saved (8 by default)
         self.cut_at_prepare = cut_at_prepare  # the model server's "cut" count in its prepare reply
         self.delivered = delivered  # delivered calls each commit records (one each by default)
         self.published: list[str] = []
@@ -196,6 +198,10 @@ class _CutControl(_Control):
     async def delivered_calls(self, checkpoint_dir: Path) -> int:
         assert (checkpoint_dir / "gym").is_dir()  # read after the commit, before publication
         return self.delivered.pop(0) if self.delivered is not None else 1
+
+    async def cut_tokens(self, checkpoint_dir: Path) -> int:
+        assert (checkpoint_dir / "gym").is_dir()  # read after the commit, before publication
+        return self.saved.pop(0) if self.saved is not None else 8
 
     async def publish(self, *args: Any) -> None:
         self.published.append(args[1])
@@ -231,6 +237,22 @@ async def test_a_commit_without_a_cut_is_abandoned_unpublished_when_the_crash_ne
         assert control.published == ["ckpt-0-1", "ckpt-0-2"] and driver.abandoned == 1
         events = [json.loads(line) for line in driver.evidence.path.read_text().splitlines()]
         assert [e["id"] for e in events if e["event"] == "checkpoint_abandoned"] == ["ckpt-0-0"]
+    finally:
+        await driver.http.aclose()
+
+
+async def test_a_commit_whose_cut_saved_no_token_is_abandoned_when_the_crash_needs_one(
+    tmp_path: Path,
+) -> None:
+    # D404: a cut taken before its generation produced a token continues nothing after the
+    # restore, so the drill's ignore-cuts fault then wasted nothing and went unseen.
+    control = _CutControl(tmp_path, cuts=[["r1"], ["r1"]], cut_tokens=[0, 5])
+    driver = _crash_phase_driver(tmp_path, control)
+    try:
+        driver.in_flight = {"r1": 0}
+        assert not await driver.checkpoint(0, for_crash=True)
+        assert await driver.checkpoint(1, for_crash=True)
+        assert control.published == ["ckpt-0-1"] and driver.abandoned == 1
     finally:
         await driver.http.aclose()
 

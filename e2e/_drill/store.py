@@ -94,20 +94,25 @@ def model_shares(checkpoint_dir: Path | str) -> list[str]:
     ]
 
 
+def model_records(checkpoint_dir: Path | str) -> Iterator[dict[str, Any]]:
+    """Every record of a checkpoint's published model shares. Blocking: run it in a thread."""
+    for location in model_shares(checkpoint_dir):
+        share = read_participant_checkpoint(
+            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
+        )
+        yield from share.records
+
+
 def delivered_rows(checkpoint_dir: Path | str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(rollout, row) for each call a checkpoint's model shares record as delivered.
 
     A model record's rows are its episode's delivered calls: the calls still undelivered at the
     commit were left out of the export. Blocking: run it in a worker thread.
     """
-    for location in model_shares(checkpoint_dir):
-        share = read_participant_checkpoint(
-            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
-        )
-        for record in share.records:
-            rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
-            for row in record.get("rows", []):
-                yield rollout, row
+    for record in model_records(checkpoint_dir):
+        rollout = EpisodeId.model_validate(record["episode_id"]).rollout_id
+        for row in record.get("rows", []):
+            yield rollout, row
 
 
 def cut_prefix_tokens(checkpoint_dir: Path | str) -> int:
@@ -116,15 +121,11 @@ def cut_prefix_tokens(checkpoint_dir: Path | str) -> int:
     A cut taken before its generation produced a token saves nothing, so a restore of it shows
     nothing continued (D404). Blocking: run it in a worker thread.
     """
-    total = 0
-    for location in model_shares(checkpoint_dir):
-        share = read_participant_checkpoint(
-            location, kind="model", instance=str(location).rsplit("/", 1)[-1]
-        )
-        for record in share.records:
-            for cut in record.get("generation_cuts", []):
-                total += int(cut.get("continuation", {}).get("prefix_token_count", 0))
-    return total
+    return sum(
+        int(cut.get("continuation", {}).get("prefix_token_count", 0))
+        for record in model_records(checkpoint_dir)
+        for cut in record.get("generation_cuts", [])
+    )
 
 
 def published_checkpoints(checkpoints_at: Path | str) -> list[str]:

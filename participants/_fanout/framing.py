@@ -54,8 +54,6 @@ class FrameWriter:
         self._wake = anyio.Event()
         self._taken = anyio.Event()
         self._failed: BaseException | None = None
-        self.writes = 0
-        """Writes made so far (each carries every frame queued when it began)."""
 
     async def put(self, payload: bytes) -> None:
         """Queue the frame of ``payload`` behind everything queued before it.
@@ -102,7 +100,6 @@ class FrameWriter:
                     self._queued_bytes = 0
                     self._taken.set()
                     self._taken = anyio.Event()
-                    self.writes += 1
                     await self._stream.send(data)
         except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError) as exc:
             self._fail(exc)

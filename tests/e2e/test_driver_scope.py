@@ -442,6 +442,18 @@ async def test_a_phase_whose_rollouts_all_finished_still_publishes_a_checkpoint_
     control = _CutControl(tmp_path, cuts=[[]])
     driver = _crash_phase_driver(tmp_path, control)
     driver.state.accepted["r1"] = {"attempt": 0}  # finished before any checkpoint was taken
+    crashed, said = await _run_to_the_crash_point(driver)
+    assert crashed
+    assert control.published == ["ckpt-0-0"]
+    assert said[-1] == "crash-point"
+
+
+class _CrashPoint(Exception):
+    """Where the phase would wait for its SIGKILL."""
+
+
+async def _run_to_the_crash_point(driver: Driver) -> tuple[bool, list[str]]:
+    """Run the phase until it says ``crash-point``; whether it got there, and what it said."""
     said: list[str] = []
 
     def say(line: str) -> None:
@@ -452,18 +464,13 @@ async def test_a_phase_whose_rollouts_all_finished_still_publishes_a_checkpoint_
     driver.say = say  # type: ignore[method-assign]
     crashed = False
     try:
-        await driver.run()
+        with anyio.fail_after(20):
+            await driver.run()
     except* _CrashPoint:
         crashed = True
     finally:
         await driver.http.aclose()
-    assert crashed
-    assert control.published == ["ckpt-0-0"]
-    assert said[-1] == "crash-point"
-
-
-class _CrashPoint(Exception):
-    """Where the phase would wait for its SIGKILL."""
+    return crashed, said
 
 
 async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path: Path) -> None:
@@ -500,19 +507,6 @@ async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path:
     control.model_calls_in_flight = generating  # type: ignore[attr-defined]
     driver.control = control  # type: ignore[assignment]
     driver.http = httpx.AsyncClient(transport=httpx.MockTransport(on_run))
-
-    def say(line: str) -> None:
-        if line == "crash-point":
-            raise _CrashPoint
-
-    driver.say = say  # type: ignore[method-assign]
-    crashed = False
-    try:
-        with anyio.fail_after(20):
-            await driver.run()
-    except* _CrashPoint:
-        crashed = True
-    finally:
-        await driver.http.aclose()
+    crashed, _said = await _run_to_the_crash_point(driver)
     assert crashed
     assert in_flight_at_prepare == [30]

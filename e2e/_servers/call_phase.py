@@ -51,7 +51,12 @@ class CallPhase:
         if self.sent_after is None:
             return where
         connection = "a new connection" if self.connects else "a pooled connection"
-        return f"{where} (sent on {connection} {self.sent_after:.1f} s after the call began)"
+        # A connect that timed out and was tried again accounts for the time before sending.
+        failed = self.connects - 1
+        tried = (
+            "" if failed < 1 else f", after {failed} failed connection attempt{'s' * (failed > 1)}"
+        )
+        return f"{where} (sent on {connection} {self.sent_after:.1f} s after the call began{tried})"
 
     def broke(self, what: str, error: Exception) -> str:
         """The detail of a call whose connection broke: ``<what> failed: <error>; <where>``."""

@@ -1,7 +1,7 @@
 """A data-path connection that could not be made is tried again, and a peer call that never got
 going is named as such, not as a peer that did not answer (D380), and a failed call says how far
-it got: connecting, sending, waiting, reading, and on which connection (D382). Real sockets on
-127.0.0.1."""
+it got: connecting, sending, waiting, reading, and on which connection (D382), after how many
+failed connection attempts (D405). Real sockets on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -59,27 +59,61 @@ async def test_a_data_path_connection_that_was_refused_is_tried_again() -> None:
             await bare.get(f"http://127.0.0.1:{_free_port()}/x")
 
 
-@contextmanager
-def _full_backlog() -> Iterator[int]:
-    """A port whose accept queue is full: a new connection's SYN gets no answer."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen(0)
-    port = int(listener.getsockname()[1])
-    waiting = []
-    for _ in range(4):
-        filler = socket.socket()
-        filler.setblocking(False)
-        with suppress(BlockingIOError):  # in progress: it waits in the queue
-            filler.connect(("127.0.0.1", port))
-        waiting.append(filler)
-    time.sleep(0.2)
-    try:
-        yield port
-    finally:
-        for filler in waiting:
+class _FullBacklog:
+    """A port whose accept queue is full: a new connection's SYN gets no answer until
+    ``drain`` makes room (and then nothing ever accepts or answers)."""
+
+    def __init__(self) -> None:
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(0)
+        self.port = int(self.listener.getsockname()[1])
+        self.fillers: list[socket.socket] = []
+        for _ in range(4):
+            filler = socket.socket()
+            filler.setblocking(False)
+            with suppress(BlockingIOError):  # in progress: it waits in the queue
+                filler.connect(("127.0.0.1", self.port))
+            self.fillers.append(filler)
+        time.sleep(0.2)
+
+    def drain(self) -> None:
+        """Take every queued connection off the queue and stop the fillers' tries."""
+        for filler in self.fillers:
             filler.close()
-        listener.close()
+        self.listener.setblocking(False)
+        with suppress(BlockingIOError):
+            while True:
+                self.listener.accept()[0].close()
+
+    def close(self) -> None:
+        for filler in self.fillers:
+            filler.close()
+        self.listener.close()
+
+
+@contextmanager
+def _full_backlog() -> Iterator[_FullBacklog]:
+    backlog = _FullBacklog()
+    try:
+        yield backlog
+    finally:
+        backlog.close()
+
+
+@asynccontextmanager
+async def _peers_of(
+    backlog: _FullBacklog, *, retries: int, activation_s: float
+) -> AsyncIterator[HttpEnvironmentPeers]:
+    """An environment's peers whose agent listens behind ``backlog``, its connects retried."""
+    url = f"http://127.0.0.1:{backlog.port}"
+    async with (
+        httpx.AsyncClient(
+            base_url=url, transport=httpx.AsyncHTTPTransport(retries=retries)
+        ) as agent,
+        httpx.AsyncClient(base_url=url) as resources,
+    ):
+        yield HttpEnvironmentPeers(agent, resources, PeerTimeouts(activation_s=activation_s))
 
 
 async def test_a_peer_call_that_never_got_going_is_not_reported_as_a_slow_peer(
@@ -88,13 +122,8 @@ async def test_a_peer_call_that_never_got_going_is_not_reported_as_a_slow_peer(
     """At 2,000 rollouts in flight an activation failed in 46 s with "did not answer within
     900 s": it was a connect timeout, and the message sent its reader to the wrong option."""
     monkeypatch.setattr("e2e._servers.environment.PEER_CONNECT_SECONDS", 0.2)
-    with _full_backlog() as port:
-        url = f"http://127.0.0.1:{port}"
-        async with (
-            httpx.AsyncClient(base_url=url, transport=httpx.AsyncHTTPTransport(retries=1)) as agent,
-            httpx.AsyncClient(base_url=url) as resources,
-        ):
-            peers = HttpEnvironmentPeers(agent, resources, PeerTimeouts(activation_s=900.0))
+    with _full_backlog() as backlog:
+        async with _peers_of(backlog, retries=1, activation_s=900.0) as peers:
             with pytest.raises(DeadlineExceededError) as refused:
                 await peers.activate("r1", 1)
     message = str(refused.value)
@@ -269,3 +298,24 @@ async def test_the_agents_broken_model_and_tool_calls_say_how_far_they_got() -> 
     assert str(tool.value).startswith("the resources tool call add of r1 failed: "), tool.value
     for failure in (model.value, tool.value):
         assert "; the whole request was sent; no answer had come (sent on" in str(failure)
+
+
+async def test_a_request_sent_after_failed_connects_says_how_many_failed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Run 20 of the 4,000 drill: nine agent seeds "did not answer within 60 s", each sent on a
+    new connection 45.6 s after its call began, and nothing said whether those 45.6 s went into
+    connection attempts that timed out and were tried again."""
+    monkeypatch.setattr("e2e._servers.environment.PEER_CONNECT_SECONDS", 0.2)
+    with _full_backlog() as backlog:
+        async with _peers_of(backlog, retries=4, activation_s=3.0) as peers:
+            call = asyncio.ensure_future(peers.activate("r1", 1))
+            await asyncio.sleep(0.5)  # the first tries time out against the full queue
+            backlog.drain()  # room again: the next try connects, nobody ever answers
+            with pytest.raises(DeadlineExceededError) as silent:
+                await call
+    message = str(silent.value)
+    assert "; the whole request was sent; no answer had come (sent on a new connection" in message
+    assert "failed connection attempt" in message, message
+    failed = int(message.split(", after ")[1].split(" failed")[0])
+    assert failed >= 1, message

@@ -41,7 +41,7 @@ from protocols import (
 
 from .._servers.cluster import PARTICIPANT_ROLES, Cluster
 from .._servers.peer_pool import CONTROLLER_POOL
-from .store import cut_prefix_tokens, delivered_rows
+from .store import ModelShareFigures, model_share_figures
 
 OPERATION_SECONDS = 30.0
 OUT_OF_TIME_SENDS = 3
@@ -189,16 +189,9 @@ class ControlSession:
         )
 
     @staticmethod
-    async def delivered_calls(checkpoint_dir: Path | str) -> int:
-        """Calls a committed checkpoint's model shares record as delivered (read from the store)."""
-        return await anyio.to_thread.run_sync(
-            lambda: sum(1 for _ in delivered_rows(checkpoint_dir))
-        )
-
-    @staticmethod
-    async def cut_tokens(checkpoint_dir: Path | str) -> int:
-        """Tokens a committed checkpoint's generation cuts saved (D404)."""
-        return await anyio.to_thread.run_sync(cut_prefix_tokens, checkpoint_dir)
+    async def share_figures(checkpoint_dir: Path | str) -> ModelShareFigures:
+        """A committed checkpoint's cut tokens and delivered calls, read from the store once."""
+        return await anyio.to_thread.run_sync(model_share_figures, checkpoint_dir)
 
     @staticmethod
     def checkpoint_dir(root: Path | str, checkpoint_id: str) -> str:

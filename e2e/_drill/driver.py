@@ -127,13 +127,13 @@ class Driver(RolloutDispatcher):
         commit = await self._commit(checkpoint_id, deadline, directory, episodes)
         self.last_cuts = commit.generation_cut_episodes()
         exported = set(commit.environment_episode_ids())
-        # Only exported episodes can carry a cut: a commit of restarts alone is published as is.
-        # Taken while every rollout waits on its first call, a commit has a cut but no delivered
-        # call, and its restore shows nothing about repeats (D360).
+        # Only exported episodes carry cuts: a commit of restarts alone is published as is. One
+        # taken while every rollout waits on its first call has no delivered call (D360).
         if for_crash and exported:
-            if not self.last_cuts or not await self.control.cut_tokens(directory):  # D404
+            figures = await self.control.share_figures(directory) if self.last_cuts else None
+            if figures is None or not figures.cut_tokens:  # D404
                 return await self._abandon(checkpoint_id, "no cut", directory)
-            if not await self.control.delivered_calls(directory):
+            if not figures.delivered_calls:
                 return await self._abandon(checkpoint_id, "no delivered call", directory)
         await self._wait_on_the_wire(
             rollout

@@ -115,17 +115,33 @@ def delivered_rows(checkpoint_dir: Path | str) -> Iterator[tuple[str, dict[str, 
             yield rollout, row
 
 
-def cut_prefix_tokens(checkpoint_dir: Path | str) -> int:
-    """Tokens the generation cuts of a checkpoint's model shares saved (their prefixes, summed).
+@dataclass(frozen=True)
+class ModelShareFigures:
+    """What a committed checkpoint's model shares hold, read in one pass (D404)."""
 
-    A cut taken before its generation produced a token saves nothing, so a restore of it shows
-    nothing continued (D404). Blocking: run it in a worker thread.
+    cut_tokens: int
+    """Tokens its generation cuts saved (their prefixes, summed). A cut taken before its
+    generation produced a token saves nothing, so a restore of it shows nothing continued."""
+    delivered_calls: int
+    """Calls its model records record as delivered."""
+
+
+def model_share_figures(checkpoint_dir: Path | str) -> ModelShareFigures:
+    """Both figures of a checkpoint's model shares, each share read once. Blocking: run it in a
+    worker thread.
+
+    Raises:
+        pydantic.ValidationError: A record names no valid episode, as ``delivered_rows`` does.
     """
-    return sum(
-        int(cut.get("continuation", {}).get("prefix_token_count", 0))
-        for record in model_records(checkpoint_dir)
-        for cut in record.get("generation_cuts", [])
-    )
+    cut_tokens = delivered = 0
+    for record in model_records(checkpoint_dir):
+        EpisodeId.model_validate(record["episode_id"])
+        delivered += len(record.get("rows", []))
+        cut_tokens += sum(
+            int(cut.get("continuation", {}).get("prefix_token_count", 0))
+            for cut in record.get("generation_cuts", [])
+        )
+    return ModelShareFigures(cut_tokens=cut_tokens, delivered_calls=delivered)
 
 
 def published_checkpoints(checkpoints_at: Path | str) -> list[str]:

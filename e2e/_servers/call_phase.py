@@ -51,11 +51,10 @@ class CallPhase:
         if self.sent_after is None:
             return where
         connection = "a new connection" if self.connects else "a pooled connection"
-        # A connect that timed out and was tried again accounts for the time before sending.
-        failed = self.connects - 1
-        tried = (
-            "" if failed < 1 else f", after {failed} failed connection attempt{'s' * (failed > 1)}"
-        )
+        tried = ""
+        if self.connects > 1:  # connects that failed and were tried again took some of the time
+            failed = self.connects - 1
+            tried = f", after {failed} failed connection {'attempt' if failed == 1 else 'attempts'}"
         return f"{where} (sent on {connection} {self.sent_after:.1f} s after the call began{tried})"
 
     def broke(self, what: str, error: Exception) -> str:

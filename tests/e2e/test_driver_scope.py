@@ -22,6 +22,7 @@ import pytest
 from coordinator import PrepareResult
 from e2e._drill.driver import Driver
 from e2e._drill.plan import DriverPlan
+from e2e._drill.store import ModelShareFigures
 from e2e._servers.cluster import default_cluster
 from e2e._servers.evidence import read_evidence
 from protocols import EpisodeId, Phase, PrepareReply, PrepareReport
@@ -195,13 +196,12 @@ class _CutControl(_Control):
         assert checkpoint_id
         return commit
 
-    async def delivered_calls(self, checkpoint_dir: Path) -> int:
+    async def share_figures(self, checkpoint_dir: Path) -> ModelShareFigures:
         assert (checkpoint_dir / "gym").is_dir()  # read after the commit, before publication
-        return self.delivered.pop(0) if self.delivered is not None else 1
-
-    async def cut_tokens(self, checkpoint_dir: Path) -> int:
-        assert (checkpoint_dir / "gym").is_dir()  # read after the commit, before publication
-        return self.saved.pop(0) if self.saved is not None else 8
+        return ModelShareFigures(
+            cut_tokens=self.saved.pop(0) if self.saved is not None else 8,
+            delivered_calls=self.delivered.pop(0) if self.delivered is not None else 1,
+        )
 
     async def publish(self, *args: Any) -> None:
         self.published.append(args[1])

@@ -28,6 +28,7 @@ import anyio
 import structlog
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from participants import (
     FANOUT_SOCKET_ENV,
@@ -46,6 +47,7 @@ from .._servers.context import HOST, ServeContext, control_settings
 from .._servers.peer_pool import SERVER_KEEP_ALIVE_S
 from .hosting import announce_listening, on_main_thread, serve_argv
 from .lifeline import Lifeline
+from .loop_watch import LoopWatch
 from .routing import ShardRouting
 from .sockets import bind_listening_socket
 
@@ -83,7 +85,31 @@ def run_shard(app: FastAPI, ctx: ServeContext) -> None:
     app.router.lifespan_context = lifespan
     routed = ShardRouting(app, shard=shard, slot=slot, peers=peers, token=ctx.control_token)
     # Routing reads whole bodies to relay or proxy them: the limit must come before it (D241).
-    uvicorn.Server(server_config(BodyLimit(routed), lifespan="on")).run(sockets=[shared, private])
+    watch = LoopWatch(registry=metrics_registry(app), process=f"shard-{slot}")
+    config = server_config(BodyLimit(routed), lifespan="on")
+    WatchedServer(config, watch).run(sockets=[shared, private])
+
+
+def metrics_registry(app: Any) -> CollectorRegistry | None:
+    """The registry a server's ``/metrics`` shows: its control plane's, or the worker's own."""
+    state = getattr(app, "state", None)
+    plane = getattr(state, "plane", None)
+    if plane is not None:
+        registry: CollectorRegistry = plane.telemetry.registry
+        return registry
+    return getattr(state, "metrics_registry", None)
+
+
+class WatchedServer(uvicorn.Server):
+    """uvicorn's server with a :class:`LoopWatch` on its event loop while it serves (D406)."""
+
+    def __init__(self, config: uvicorn.Config, watch: LoopWatch) -> None:
+        super().__init__(config)
+        self.watch = watch
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        async with self.watch.watching():
+            await super().serve(sockets=sockets)
 
 
 def server_config(app: Any, *, lifespan: Literal["auto", "on", "off"]) -> uvicorn.Config:
@@ -104,7 +130,14 @@ def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
     privates = [bind_listening_socket(0) for _ in range(ctx.processes)]
     participant = app.state.plane.participant
     announce_listening(f"http://{HOST}:{shared.getsockname()[1]}")
-    anyio.run(_serve_fanout, participant.kind, participant.instance, ctx, shared, privates)
+    anyio.run(_serve_watched, participant.kind, participant.instance, ctx, shared, privates)
+
+
+async def _serve_watched(*args: Any) -> None:
+    # The shards' watches feed the summed /metrics; the main process's stalls are logged only
+    # (its own families would hide the shards', D406).
+    async with LoopWatch(process="main").watching():
+        await _serve_fanout(*args)
 
 
 async def _serve_fanout(
@@ -202,4 +235,10 @@ def _reap(process: subprocess.Popen[bytes]) -> None:
         process.wait(timeout=10)
 
 
-__all__ = ["is_shard_process", "run_fanout", "run_shard"]
+__all__ = [
+    "WatchedServer",
+    "is_shard_process",
+    "metrics_registry",
+    "run_fanout",
+    "run_shard",
+]

@@ -14,12 +14,19 @@ from typing import Any, NoReturn
 
 import structlog
 import typer
-import uvicorn
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
 from .._trace.setup import configure_tracing
 from .hosting import announce_listening
-from .processes import is_shard_process, run_fanout, run_shard, server_config
+from .loop_watch import LoopWatch
+from .processes import (
+    WatchedServer,
+    is_shard_process,
+    metrics_registry,
+    run_fanout,
+    run_shard,
+    server_config,
+)
 from .sockets import PortInUseError, bind_listening_socket
 
 
@@ -88,4 +95,5 @@ def run_server(app: Any, options: ServeContext | int, *, role: str = "server") -
         _refuse_port(exc)
     with sock:
         announce_listening(f"http://{HOST}:{sock.getsockname()[1]}")
-        uvicorn.Server(server_config(app, lifespan="auto")).run(sockets=[sock])
+        watch = LoopWatch(registry=metrics_registry(app))
+        WatchedServer(server_config(app, lifespan="auto"), watch).run(sockets=[sock])

@@ -162,6 +162,7 @@ def create_worker_app(
     )
     app.state.engine = engine
     metrics = WorkerMetrics(engine)
+    app.state.metrics_registry = metrics.registry  # the loop watch's families go there (D406)
     app.add_middleware(BodyLimit)  # every route, the cut route included (D241)
 
     install_error_envelope(app)

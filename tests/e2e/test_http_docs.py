@@ -16,6 +16,7 @@ import yaml
 from fastapi import FastAPI
 from starlette.routing import Route
 
+from e2e._launch.loop_watch import METRIC_NAMES as LOOP_WATCH_METRICS
 from participants import ProcessFanout
 from participants._fanout.roster import RosterMetrics
 
@@ -90,6 +91,10 @@ async def test_the_metrics_page_lists_every_metric_of_every_reference_server(
     }
     missing += [f"several processes: {name}" for name in sorted(roster - page)]
     exposed |= roster
+    # Every process `midflight serve` starts adds its loop watch's families (D406).
+    watched = set(LOOP_WATCH_METRICS)
+    missing += [f"every served process: {name}" for name in sorted(watched - page)]
+    exposed |= watched
     assert not missing, f"metrics missing from docs/metrics.md: {missing}"
     unknown = sorted(page - exposed)
     assert not unknown, f"docs/metrics.md names metrics no server exposes: {unknown}"

@@ -99,6 +99,9 @@ def test_metrics_sum_every_shard_and_sessions_route_to_their_shard(
             assert tool.json() == {"value": 3, "notes": 0}  # found the session its seed made
         metrics = client.get("/metrics").text
         assert 'midflight_resources_requests_total{outcome="ok",route="seed"} 4.0' in metrics
+        # Each shard watches its own event loop; the main process sums their figures (D406).
+        assert "# TYPE midflight_event_loop_lag_seconds histogram" in metrics
+        assert "midflight_event_loop_stalls_total " in metrics
         status = client.get("/ng-control/v1/checkpoint/status", headers=AUTH).json()
         assert status["report"]["counts"]["sessions"] == 4
         assert status["report"]["counts"]["workers"] == 2

@@ -1,0 +1,215 @@
+"""Noticing when a server's event loop stops turning, and saying where it was (D406).
+
+A server with thousands of rollouts in flight does all of its work on one event loop. When that
+loop is held, by a call that blocks or by more ready work than a turn can get through, every
+request of every rollout waits, and what the clients later see is a deadline that ran out
+("did not answer within 60 s") with nothing to say why. A :class:`LoopWatch` runs beside the loop:
+
+- a task on the loop wakes every ``TICK_S`` and notes the time (the *beat*); how late each wake-up
+  came is ``midflight_event_loop_lag_seconds``;
+- a thread of its own looks every ``SAMPLE_S``. When the beat is older than ``STALL_S`` the loop
+  is stalled, and the thread records the stack the loop's thread is running at that moment;
+- when the loop turns again, the task logs one ``event_loop_stalled`` event: how long, how many
+  stacks were sampled, and the most frequent ones, innermost frame first. A stall that goes on
+  is also logged while it lasts (``event_loop_still_stalled``, every ``ONGOING_S``), so a process
+  killed during a stall has said where it was.
+
+A stack is sampled with ``sys._current_frames()``, which needs the GIL: a C call that holds it
+for a long time (a big ``sorted``, one huge validation) is seen only once it has returned, so the
+sample names the code that ran next. Frame names and line numbers are logged, never a frame's
+values, so no token or request body reaches the log.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import Counter as Tally
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any, Final
+
+import anyio
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+TICK_S: Final = 0.1
+"""How often the loop's task notes that the loop turned."""
+STALL_S: Final = 1.0
+"""A loop that has not turned for this long is stalled."""
+SAMPLE_S: Final = 0.25
+"""How often the watching thread looks at the beat (and, during a stall, samples a stack)."""
+ONGOING_S: Final = 10.0
+"""A stall is logged while it lasts, this often."""
+STACK_DEPTH: Final = 8
+"""Innermost frames kept of each sampled stack."""
+TOP_STACKS: Final = 3
+"""Stacks named in a stall's event, the most frequent first."""
+LAG_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+JOIN_S: Final = 2.0
+"""How long leaving the watch waits for its thread."""
+
+LAG_METRIC: Final = "midflight_event_loop_lag_seconds"
+STALLS_METRIC: Final = "midflight_event_loop_stalls"
+STALLED_METRIC: Final = "midflight_event_loop_stalled_seconds"
+METRIC_NAMES: Final = (LAG_METRIC, f"{STALLS_METRIC}_total", f"{STALLED_METRIC}_total")
+"""The families a watched process adds to its ``/metrics`` (as ``# TYPE`` names them)."""
+
+_log = structlog.get_logger("midflight.loop")
+
+
+def _frame_name(frame: FrameType) -> str:
+    """``module:line function``, e.g. ``participants._ledger.sqlite:250 _commit_group``."""
+    module = frame.f_globals.get("__name__", "?")
+    return f"{module}:{frame.f_lineno} {frame.f_code.co_name}"
+
+
+def stack_of(frame: FrameType | None, depth: int = STACK_DEPTH) -> tuple[str, ...]:
+    """The innermost ``depth`` frames from ``frame`` outwards, each named by ``_frame_name``."""
+    names: list[str] = []
+    while frame is not None and len(names) < depth:
+        names.append(_frame_name(frame))
+        frame = frame.f_back
+    return tuple(names)
+
+
+@dataclass
+class _Stall:
+    beat: float
+    """The last beat before the loop stopped turning."""
+    stacks: Tally[tuple[str, ...]] = field(default_factory=Tally)
+    next_report: float = ONGOING_S
+
+    def summary(self) -> list[dict[str, Any]]:
+        return [
+            {"samples": count, "frames": list(frames)}
+            for frames, count in self.stacks.most_common(TOP_STACKS)
+        ]
+
+
+class LoopWatch:
+    """Watches the event loop it is entered on; see the module docstring.
+
+    Args:
+        registry: Where the metrics go (the server's ``/metrics``); none when omitted.
+        process: Names the process in every event (``main``, ``shard-1``, ...).
+        stall_s: How long the loop must not turn to count as stalled.
+        tick_s: How often the loop's task notes a beat.
+        sample_s: How often the watching thread looks.
+        ongoing_s: How often a stall that goes on is logged while it lasts.
+    """
+
+    def __init__(
+        self,
+        *,
+        registry: CollectorRegistry | None = None,
+        process: str = "main",
+        stall_s: float = STALL_S,
+        tick_s: float = TICK_S,
+        sample_s: float = SAMPLE_S,
+        ongoing_s: float = ONGOING_S,
+    ) -> None:
+        if not 0 < tick_s < stall_s or sample_s <= 0 or ongoing_s <= 0:
+            raise ValueError("need 0 < tick_s < stall_s, and sample_s and ongoing_s above 0")
+        self._stall_s = stall_s
+        self._tick_s = tick_s
+        self._sample_s = sample_s
+        self._ongoing_s = ongoing_s
+        self._log = _log.bind(process=process)
+        self._lock = threading.Lock()
+        self._beat = time.monotonic()
+        self._stall: _Stall | None = None
+        self._loop_thread = 0
+        self.lag = Histogram(
+            LAG_METRIC,
+            "How late the event loop's watch task woke, each time it woke (0.1 s apart).",
+            buckets=LAG_BUCKETS,
+            registry=registry,
+        )
+        self.stalls = Counter(
+            STALLS_METRIC,
+            "Times the event loop did not turn for a second or more.",
+            registry=registry,
+        )
+        self.stalled = Counter(
+            STALLED_METRIC,
+            "Seconds the event loop spent stalled, summed over its stalls.",
+            registry=registry,
+        )
+
+    @asynccontextmanager
+    async def watching(self) -> AsyncIterator[None]:
+        """Watch the running loop until the block is left."""
+        self._loop_thread = threading.get_ident()
+        with self._lock:
+            self._beat = time.monotonic()
+            self._stall = None
+        stop = threading.Event()
+        thread = threading.Thread(target=self._watch, args=(stop,), name="loop-watch", daemon=True)
+        thread.start()
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(self._tick)
+                try:
+                    yield
+                finally:
+                    group.cancel_scope.cancel()
+        finally:
+            stop.set()
+            thread.join(JOIN_S)
+
+    async def _tick(self) -> None:
+        while True:
+            before = time.monotonic()
+            await anyio.sleep(self._tick_s)
+            now = time.monotonic()
+            late = max(0.0, now - before - self._tick_s)
+            with self._lock:
+                self._beat = now
+                stall, self._stall = self._stall, None
+            self.lag.observe(late)
+            if late >= self._stall_s:
+                self.stalls.inc()
+                self.stalled.inc(late)
+                samples = 0 if stall is None else sum(stall.stacks.values())
+                self._log.warning(
+                    "event_loop_stalled",
+                    stalled_s=round(late, 3),
+                    samples=samples,
+                    stacks=[] if stall is None else stall.summary(),
+                )
+
+    def _watch(self, stop: threading.Event) -> None:
+        while not stop.wait(self._sample_s):
+            with self._lock:
+                beat = self._beat
+            quiet = time.monotonic() - beat
+            if quiet < self._stall_s:
+                continue
+            stack = stack_of(sys._current_frames().get(self._loop_thread))
+            summary: list[dict[str, Any]] = []
+            with self._lock:
+                if self._beat != beat:
+                    continue  # it turned while the stack was read: this sample is of no stall
+                if self._stall is None or self._stall.beat != beat:
+                    self._stall = _Stall(beat=beat, next_report=self._ongoing_s)
+                stall = self._stall
+                stall.stacks[stack] += 1
+                samples = sum(stall.stacks.values())
+                report = quiet >= stall.next_report
+                if report:
+                    stall.next_report += self._ongoing_s
+                    summary = stall.summary()
+            if report:
+                self._log.warning(
+                    "event_loop_still_stalled",
+                    stalled_s=round(quiet, 3),
+                    samples=samples,
+                    stacks=summary,
+                )
+
+
+__all__ = ["METRIC_NAMES", "LoopWatch", "stack_of"]

@@ -1,0 +1,128 @@
+"""The loop watch of every reference server process (D406): a held event loop is logged with
+the stack that held it, and counted on ``/metrics``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+from structlog.testing import capture_logs
+
+from e2e._launch.loop_watch import METRIC_NAMES, LoopWatch, stack_of
+from e2e._launch.spawn import ServerProcess
+
+pytestmark = pytest.mark.anyio
+
+
+def _hold_the_loop(seconds: float) -> None:
+    """Block the calling thread (the event loop's) the way a blocking call would."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        time.sleep(0.01)  # releases the GIL, as a blocking system call does
+
+
+def _fast(registry: CollectorRegistry | None = None, **overrides: float) -> LoopWatch:
+    settings: dict[str, Any] = {"stall_s": 0.5, "tick_s": 0.05, "sample_s": 0.05} | overrides
+    return LoopWatch(registry=registry, process="test", **settings)
+
+
+def _events(logs: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    return [entry for entry in logs if entry["event"] == name]
+
+
+async def test_a_held_loop_is_logged_once_with_the_stack_that_held_it() -> None:
+    registry = CollectorRegistry()
+    with capture_logs() as logs:
+        async with _fast(registry).watching():
+            await anyio.sleep(0.3)
+            _hold_the_loop(1.5)
+            await anyio.sleep(0.3)
+    (stall,) = _events(logs, "event_loop_stalled")
+    assert 1.2 <= stall["stalled_s"] < 5, stall
+    assert stall["process"] == "test" and stall["log_level"] == "warning"
+    assert stall["samples"] >= 5, stall
+    top = stall["stacks"][0]
+    assert top["samples"] >= 5
+    assert any(frame.endswith(" _hold_the_loop") for frame in top["frames"]), top
+    assert any(f"{__name__}:" in frame for frame in top["frames"]), top
+    assert registry.get_sample_value("midflight_event_loop_stalls_total") == 1
+    stalled = registry.get_sample_value("midflight_event_loop_stalled_seconds_total")
+    assert stalled is not None and stalled >= 1.2
+    lags = registry.get_sample_value("midflight_event_loop_lag_seconds_count")
+    assert lags is not None and lags >= 5  # every beat is observed, the stalled one among them
+    late = registry.get_sample_value("midflight_event_loop_lag_seconds_bucket", {"le": "1.0"})
+    assert late is not None and late == lags - 1  # exactly one beat came more than 1 s late
+
+
+async def test_a_loop_that_keeps_turning_is_never_called_stalled() -> None:
+    registry = CollectorRegistry()
+    with capture_logs() as logs:
+        async with _fast(registry).watching():
+            for _ in range(20):  # busy, but yielding every 0.1 s
+                _hold_the_loop(0.1)
+                await anyio.lowlevel.checkpoint()
+    assert not _events(logs, "event_loop_stalled")
+    assert not _events(logs, "event_loop_still_stalled")
+    assert registry.get_sample_value("midflight_event_loop_stalls_total") == 0
+
+
+async def test_a_stall_that_goes_on_is_logged_while_it_lasts() -> None:
+    with capture_logs() as logs:
+        async with _fast(ongoing_s=0.6).watching():
+            await anyio.sleep(0.2)
+            _hold_the_loop(1.6)
+            # Said before the loop turned again: a process killed now has said where it was.
+            ongoing = _events(logs, "event_loop_still_stalled")
+            await anyio.sleep(0.2)
+    assert 1 <= len(ongoing) <= 3, ongoing
+    assert ongoing[0]["stalled_s"] >= 0.6
+    assert any(f.endswith(" _hold_the_loop") for f in ongoing[0]["stacks"][0]["frames"])
+    assert len(_events(logs, "event_loop_stalled")) == 1
+
+
+def test_a_stack_names_modules_lines_and_functions_innermost_first() -> None:
+    def inner() -> tuple[str, ...]:
+        import sys
+
+        return stack_of(sys._getframe(), depth=2)
+
+    frames = inner()
+    assert frames[0].startswith(f"{__name__}:") and frames[0].endswith(" inner")
+    assert frames[1].endswith(" test_a_stack_names_modules_lines_and_functions_innermost_first")
+    assert len(frames) == 2
+
+
+def test_a_watch_needs_a_tick_shorter_than_a_stall() -> None:
+    with pytest.raises(ValueError, match="tick_s < stall_s"):
+        LoopWatch(stall_s=0.1, tick_s=0.1)
+
+
+def _lag_count(text: str) -> float:
+    (count,) = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith("midflight_event_loop_lag_seconds_count")
+    ]
+    return count
+
+
+@pytest.mark.process
+def test_a_real_server_process_shows_its_loop_on_metrics(tmp_path: Path) -> None:
+    argv = [sys.executable, "-m", "e2e", "serve", "resources", "--port", "0"]
+    argv += ["--root", str(tmp_path / "run")]
+    with ServerProcess(argv, env={}, log_path=tmp_path / "resources.log") as server:
+        deadline = time.monotonic() + 30
+        text = httpx.get(f"{server.url}/metrics", timeout=10).text
+        for name in METRIC_NAMES:
+            assert f"# TYPE {name} " in text, name
+        while _lag_count(text) < 3 and time.monotonic() < deadline:  # the beats are counted
+            time.sleep(0.1)
+            text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert _lag_count(text) >= 3

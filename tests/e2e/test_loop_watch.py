@@ -3,6 +3,7 @@ the stack that held it, and counted on ``/metrics``."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,21 @@ async def test_a_held_loop_is_logged_once_with_the_stack_that_held_it() -> None:
     assert late is not None and late == lags - 1  # exactly one beat came more than 1 s late
 
 
+async def test_the_operations_page_shows_the_stall_event_with_its_real_fields() -> None:
+    page = (Path(__file__).parents[2] / "docs" / "operations.md").read_text()
+    example = json.loads(page.split("```json\n", 1)[1].split("```", 1)[0])
+    with capture_logs() as logs:
+        async with _fast().watching():
+            await anyio.sleep(0.1)
+            _hold_the_loop(0.8)
+            await anyio.sleep(0.2)
+    (stall,) = _events(logs, "event_loop_stalled")
+    # capture_logs names the level log_level; a server's JSON log says level, with a timestamp.
+    logged = {"level", "timestamp"} | set(stall) - {"log_level"}
+    assert set(example) == logged
+    assert set(example["stacks"][0]) == set(stall["stacks"][0])
+
+
 async def test_a_loop_that_keeps_turning_is_never_called_stalled() -> None:
     registry = CollectorRegistry()
     with capture_logs() as logs:
@@ -89,8 +105,6 @@ async def test_a_stall_that_goes_on_is_logged_while_it_lasts() -> None:
 
 def test_a_stack_names_modules_lines_and_functions_innermost_first() -> None:
     def inner() -> tuple[str, ...]:
-        import sys
-
         return stack_of(sys._getframe(), depth=2)
 
     frames = inner()

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from .._servers.evidence import read_evidence
+from .loop_stalls import loop_stalls
 
 BASELINE_MARKER = "baseline.json"
 """Written into a baseline directory once its run finished: what its outcomes depend on."""
@@ -67,5 +68,5 @@ def baseline_shortfall(directory: Path, finished: int, rollouts: int) -> str:
     return (
         f"the baseline finished {finished:,} of {rollouts:,} rollouts; {len(failed):,} ended in "
         f"a failure{first}. The servers could not carry this load, so there is nothing to "
-        "compare the run with: run fewer rollouts at once (--concurrency), or on more cores"
-    )
+        "compare the run with: run fewer rollouts at once (--concurrency), or on more cores."
+    ) + loop_stalls(directory / "logs").sentence(directory / "logs")

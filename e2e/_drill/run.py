@@ -33,6 +33,7 @@ from .continuations import continued_calls, model_engine_figures
 from .driver_process import DriverProcess
 from .errors import DrillBaselineError, DrillStalledError
 from .hosting import ClusterHosting, DrillHosting, drill_hosting
+from .loop_stalls import loop_stalls
 from .options import (
     MULTI_PROCESS_ROLES,
     RESTART_AGENT,
@@ -289,6 +290,7 @@ def _run_and_judge(
         continued=continued,
         checkpoints_at=store.location(run),
     )
+    figures.values.update(loop_stalls(run / "logs").figures())  # D406
     figures.values["checkpoint_store"] = store.root_of(run) or str(run)
     figures.values["checkpoint_objects"] = store.object_count(run)
     if options.model_engine:

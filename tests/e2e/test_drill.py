@@ -49,6 +49,8 @@ def test_the_drill_is_green_and_busy_enough_to_prove_something(tmp_path: Path) -
     assert figures["held_delivered"] >= 1
     assert min(figures["stale_probes_per_crash"]) >= 4 and figures["stale_accepted"] == 0
     assert figures["cut_continued"] >= 1
+    # The servers' event-loop stalls, read back from their logs (D406): reported, not judged.
+    assert figures["loop_stalls"] >= 0 and isinstance(figures["loop_stall_longest_where"], str)
     # The restart-only share (one rollout of four, through the restart-only agent) was reported
     # as a restart by a checkpoint, and was rerun after a crash or finished after the checkpoint.
     checkpoints = [

@@ -1,5 +1,5 @@
 """The connection pool every midflight client sends through: httpcore's, with its assignment pass
-replaced (D381, D384).
+replaced (D381, D384, D407).
 
 httpx 0.28 builds on httpcore 1.0.9, whose pool misbehaves with hundreds of requests at once on
 one client, which is where a controller of thousands of rollouts, and the reference servers'
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Final, cast
 
@@ -75,9 +76,10 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
 
     This pool keeps its idle connections itself, oldest first, per origin too. A connection
     joins them when the request that held it is removed from the pool and it is idle; a pass
-    looks at those connections, the oldest idle ones (expired or beyond
-    ``max_keepalive_connections``: closed), and the queued requests, each of which gets the
-    newest idle connection of its origin that has not expired, or a new one. A connection
+    looks at those connections, the oldest idle ones (idle for longer than ``keepalive_expiry``
+    since it parked them, or beyond ``max_keepalive_connections``: closed, D407), and the queued
+    requests, each of which gets the newest idle connection of its origin that has not expired
+    (``has_expired()``, which also asks the socket), or a new one. A connection
     handed to a request has left the idle ones, so no pass can close it under that request.
     Connections to close wait in a queue, and a pass hands back at most ``CLOSES_PER_PASS`` of
     them (D385), unless room for a new connection is needed at once. HTTP/1.1 only: a
@@ -88,6 +90,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
     _idle: dict[int, tuple[Connection, OriginKey]]
     _idle_by_origin: dict[OriginKey, dict[int, Connection]]
     _doomed: collections.deque[Connection]
+    _parked_at: dict[int, float]
     _passes: int
 
     def adopt(self) -> None:
@@ -96,6 +99,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
         self._idle = {}
         self._idle_by_origin = {}
         self._doomed = collections.deque()  # still in the pool until handed back to be closed
+        self._parked_at = {}
         self._passes = 0
 
     def _assign_requests_to_connections(self) -> list[Connection]:
@@ -109,9 +113,16 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
                 self._drop(connection)
             elif connection.is_idle():
                 self._park(connection, origin)
+        now = time.monotonic()
         while self._idle:
             connection, origin = next(iter(self._idle.values()))
-            if len(self._idle) <= self._max_keepalive_connections and not connection.has_expired():
+            # Idle for too long by the pool's own clock, not ``has_expired()``: that also asks the
+            # socket whether the server closed it, two system calls on every pass (D407). A
+            # connection the server closed is found when it is next taken (``_take_idle``).
+            kept = self._keepalive_expiry is None or (
+                now - self._parked_at[id(connection)] <= self._keepalive_expiry
+            )
+            if len(self._idle) <= self._max_keepalive_connections and kept:
                 break
             self._unpark(connection, origin)
             self._doomed.append(connection)
@@ -157,6 +168,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
         key = id(connection)
         self._idle.pop(key, None)  # a repeat moves it to the newest end
         self._idle[key] = (connection, origin)
+        self._parked_at[key] = time.monotonic()
         bucket = self._idle_by_origin.setdefault(origin, {})
         bucket.pop(key, None)
         bucket[key] = connection
@@ -164,6 +176,7 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
     def _unpark(self, connection: Connection, origin: OriginKey) -> None:
         key = id(connection)
         self._idle.pop(key, None)
+        self._parked_at.pop(key, None)
         bucket = self._idle_by_origin.get(origin)
         if bucket is not None:
             bucket.pop(key, None)

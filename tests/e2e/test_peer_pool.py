@@ -195,3 +195,32 @@ async def test_a_pass_hands_back_at_most_two_connections_to_close() -> None:
         assert closes == [2] * 10 + [0, 0], closes
         assert pool.connections == []
         assert (await client.get("/quick")).status_code == 200  # a new connection
+
+
+async def test_a_pass_asks_no_idle_socket_whether_the_server_closed_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D407: ``has_expired()`` on the oldest idle connection, on every pass, asked its socket
+    whether it was readable (``getpeername`` and a ``poll``, two system calls). In the 4,000
+    drill's baseline that was an eighth of the samples of the servers' stalled event loops.
+    Only a connection about to be reused is asked now."""
+    asked = 0
+    stream_class = httpcore._backends.anyio.AnyIOStream
+    original = stream_class.get_extra_info
+
+    def counted(self: object, info: str) -> object:
+        nonlocal asked
+        asked += info == "is_readable"
+        return original(self, info)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(stream_class, "get_extra_info", counted)
+    during: list[int] = []
+
+    def start() -> None:
+        nonlocal asked
+        asked = 0
+
+    opened = await _twenty_calls_beside_a_hundred_busy(start, lambda: during.append(asked))
+    assert opened == 1
+    # The 19 reuses of the one idle connection ask once each; the 40 passes ask nothing.
+    assert during[0] <= 20, f"20 calls asked an idle socket {during[0]} times"

@@ -313,9 +313,8 @@ class Driver(RolloutDispatcher):
 
     # ------------------------------------------------------------------ the run
     async def run(self) -> None:
-        first: list[tuple[str, int]] = []
-        if self.plan.phase > 0:
-            first = await self.recover()
+        await self.control.coordinator()  # discovered now, not inside a prepare's deadline (D408)
+        first = await self.recover() if self.plan.phase > 0 else []
         self.say_progress()
         async with anyio.create_task_group() as group:
             pending = [r for r in self.plan.rollouts if r not in self.state.accepted]

@@ -65,6 +65,9 @@ class _Control:
     async def resume(self, *args: Any) -> None:
         return None
 
+    async def coordinator(self) -> None:
+        return None  # the real session discovers the participants here, once
+
 
 async def test_a_commit_names_restored_attempts_that_have_not_started(tmp_path: Path) -> None:
     plan = DriverPlan(
@@ -510,3 +513,41 @@ async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path:
     crashed, _said = await _run_to_the_crash_point(driver)
     assert crashed
     assert in_flight_at_prepare == [30]
+
+
+async def test_a_phase_discovers_its_participants_before_it_dispatches(tmp_path: Path) -> None:
+    """D408: run 22 of the 4,000 drill discovered its participants on its first prepare, with
+    4,000 rollouts in flight; the status calls took about 25 s of the prepare's 30 s deadline,
+    and the environment's prepare, sent with 5 s left, got no reply in time."""
+    plan = DriverPlan(
+        rollouts=[f"r{n}" for n in range(4)],
+        task_input={},
+        phase=0,
+        checkpoints=1,
+        crash_after=True,
+        commit_delay_s=0,
+    )
+    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
+    control = _CutControl(tmp_path, cuts=[["r0"]])
+    seen: list[str] = []
+
+    async def discover() -> None:
+        seen.append(f"discovered with {len(driver.in_flight)} in flight")
+
+    async def prepare(checkpoint_id: str, deadline: float) -> PrepareResult:
+        seen.append("prepare")
+        return await _CutControl.prepare(control, checkpoint_id, deadline)
+
+    async def generating() -> int:
+        return 1
+
+    control.coordinator = discover  # type: ignore[method-assign]
+    control.prepare = prepare  # type: ignore[method-assign]
+    control.model_calls_in_flight = generating  # type: ignore[attr-defined]
+    driver.control = control  # type: ignore[assignment]
+    driver.http = httpx.AsyncClient(
+        transport=httpx.MockTransport(lambda request: httpx.Response(503))
+    )
+    crashed, _said = await _run_to_the_crash_point(driver)
+    assert crashed
+    assert seen[:2] == ["discovered with 0 in flight", "prepare"], seen

@@ -36,11 +36,11 @@ from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 from .._trace.propagation import TRACE_HOOKS
 from .call_phase import CallPhase
 from .context import ServeContext, control_settings
-from .peer_pool import peer_transport
+from .peer_pool import CONNECT_SECONDS, peer_transport
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
-HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=10.0, read=900.0, write=60.0, pool=60.0)
+HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=CONNECT_SECONDS, read=900.0, write=60.0, pool=60.0)
 """Model and tool calls may be held through a checkpoint, hence the long read timeout."""
 SESSION_ERRORS: Final = error_responses(
     (

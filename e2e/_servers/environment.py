@@ -41,9 +41,10 @@ ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 VERIFY_HEADER: Final = "x-ng-checkpoint-verify"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
 SESSION_COOKIE: Final = "ng_session"
-PEER_CONNECT_SECONDS: Final = 10.0
 TIMEOUT_SLACK_SECONDS: Final = 5.0
-"""httpx's own read timeout is set this much past ours, so ours (typed) fires first."""
+"""httpx's own read and connect timeouts are set this much past ours, so ours (typed) fires
+first. A connect is never given up sooner than its call: one not made yet is one the event loop
+has not got to, or a SYN the kernel is still sending again (D409)."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class PeerTimeouts:
 
 def _httpx_timeout(seconds: float) -> httpx.Timeout:
     return httpx.Timeout(
-        connect=PEER_CONNECT_SECONDS,
+        connect=seconds + TIMEOUT_SLACK_SECONDS,
         read=seconds + TIMEOUT_SLACK_SECONDS,
         write=60.0,
         pool=60.0,

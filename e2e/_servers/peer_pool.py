@@ -48,6 +48,13 @@ a baseline of 2,000 rollouts in flight (D371)."""
 
 CONNECT_RETRIES: Final = 5
 """How many more times a data-path client tries to open a connection that could not be made."""
+CONNECT_SECONDS: Final = 60.0
+"""How long a data-path connect may take before it is given up, where the call has no shorter
+deadline of its own (D409). On 127.0.0.1 a connect that has not completed is one the client's
+event loop has not processed yet, or a SYN the kernel is still sending again. At 4,000 rollouts in
+flight the loops stalled for up to 12 s, and a 10 s connect timeout then gave up connections
+the kernel had made. The server had accepted each of them, and each was tried again: more work
+for loops that were already behind."""
 
 
 def peer_transport() -> httpx.AsyncHTTPTransport:
@@ -55,9 +62,9 @@ def peer_transport() -> httpx.AsyncHTTPTransport:
     made (refused, or no answer to the SYN within the connect timeout) tried again up to
     ``CONNECT_RETRIES`` more times, after 0, 0.5, 1, 2 and 4 s (httpcore's backoff).
 
-    Nothing of the request was sent when a connection fails, so nothing can run twice. With
-    2,000 rollouts in flight at once on two cores, a server's accept queue overflows for
-    seconds, and the first try of an agent activation met a 10 s ``ConnectTimeout`` (D380).
-    Each call's own deadline still bounds all of it.
+    Nothing of the request was sent when a connection fails, so nothing can run twice. A
+    connection refused (a peer restarting) is worth trying again. A connect that takes long is
+    not: it is given ``CONNECT_SECONDS`` or its call's budget (D409), so a try is given up only
+    when the call is out of time anyway. Each call's own deadline still bounds all of it.
     """
     return http_transport(PEER_POOL, retries=CONNECT_RETRIES)

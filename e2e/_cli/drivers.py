@@ -19,7 +19,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The drill's controller process (started by ``midflight drill``)."""
         from .._drill.driver import main
+        from .._launch.serving import configure_server_logging
 
+        configure_server_logging()  # JSON on stderr, its log: stdout is its line protocol
         main(root, cluster, plan)
 
     @app.command("sequence-driver", hidden=True)

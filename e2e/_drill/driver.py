@@ -29,6 +29,7 @@ from coordinator import (
 )
 from protocols import EpisodeId, open_store
 
+from .._launch.loop_watch import run_watched
 from .._servers.cluster import (
     DEFAULT_NAMES,
     ROLES,
@@ -396,4 +397,4 @@ def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
     # On Ray, the controller finds the servers as a training controller would: from Ray.
     cluster = read_cluster(cluster_path) if not namespace else cluster_on_ray(root, namespace, plan)
     driver = Driver(root, cluster, plan, token)
-    anyio.run(driver.run)
+    anyio.run(run_watched, driver.run, "controller")  # its stalls go to its log (D410)

@@ -1,7 +1,8 @@
-"""The event-loop stalls a drill's servers logged (D406), read back from their logs.
+"""The event-loop stalls a drill's servers and controller logged (D406, D410), read back from
+their logs.
 
-Every server process logs ``event_loop_stalled`` when its loop turns again after a second or
-more (``e2e/_launch/loop_watch.py``). A drill's figures say how many there were and where the
+Every server process, and the drill's controller, logs ``event_loop_stalled`` when its loop turns
+again after a second or more (``e2e/_launch/loop_watch.py``). A drill's figures say how many there were and where the
 longest one held its loop, and a baseline that could not finish says the same, so a run at
 thousands in flight that ends in deadlines names the stalls that may explain them.
 """

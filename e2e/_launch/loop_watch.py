@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 from collections import Counter as Tally
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from types import FrameType
@@ -212,4 +212,11 @@ class LoopWatch:
                 )
 
 
-__all__ = ["METRIC_NAMES", "LoopWatch", "stack_of"]
+async def run_watched(work: Callable[[], Awaitable[None]], process: str) -> None:
+    """``await work()`` with a :class:`LoopWatch` on the loop, its metrics in no registry: for a
+    process with no ``/metrics``, such as the drill's controller (D410)."""
+    async with LoopWatch(process=process).watching():
+        await work()
+
+
+__all__ = ["METRIC_NAMES", "LoopWatch", "run_watched", "stack_of"]

@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from e2e._launch.loop_watch import METRIC_NAMES, LoopWatch, stack_of
+from e2e._launch.loop_watch import METRIC_NAMES, LoopWatch, run_watched, stack_of
 from e2e._launch.spawn import ServerProcess
 
 pytestmark = pytest.mark.anyio
@@ -75,6 +75,24 @@ async def test_the_operations_page_shows_the_stall_event_with_its_real_fields() 
     logged = {"level", "timestamp"} | set(stall) - {"log_level"}
     assert set(example) == logged
     assert set(example["stacks"][0]) == set(stall["stacks"][0])
+
+
+async def test_run_watched_watches_the_work_it_runs() -> None:
+    """D410: the drill's controller runs under a watch of its own, its stalls in its log."""
+    finished: list[bool] = []
+
+    async def work() -> None:
+        await anyio.sleep(0.3)
+        _hold_the_loop(1.5)
+        await anyio.sleep(0.3)
+        finished.append(True)
+
+    with capture_logs() as logs:
+        await run_watched(work, "controller")
+    assert finished == [True]
+    (stall,) = _events(logs, "event_loop_stalled")
+    assert stall["process"] == "controller" and stall["stalled_s"] >= 1.2
+    assert any(f.endswith(" work") for f in stall["stacks"][0]["frames"]), stall
 
 
 async def test_a_loop_that_keeps_turning_is_never_called_stalled() -> None:

@@ -21,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, Literal
 
@@ -47,7 +48,7 @@ from .._servers.context import HOST, ServeContext, control_settings
 from .._servers.peer_pool import SERVER_KEEP_ALIVE_S
 from .hosting import announce_listening, on_main_thread, serve_argv
 from .lifeline import Lifeline
-from .loop_watch import LoopWatch
+from .loop_watch import LoopWatch, run_watched
 from .routing import ShardRouting
 from .sockets import bind_listening_socket
 
@@ -130,14 +131,10 @@ def run_fanout(app: FastAPI, ctx: ServeContext) -> None:
     privates = [bind_listening_socket(0) for _ in range(ctx.processes)]
     participant = app.state.plane.participant
     announce_listening(f"http://{HOST}:{shared.getsockname()[1]}")
-    anyio.run(_serve_watched, participant.kind, participant.instance, ctx, shared, privates)
-
-
-async def _serve_watched(*args: Any) -> None:
+    serve = partial(_serve_fanout, participant.kind, participant.instance, ctx, shared, privates)
     # The shards' watches feed the summed /metrics; the main process's stalls are logged only
     # (its own families would hide the shards', D406).
-    async with LoopWatch(process="main").watching():
-        await _serve_fanout(*args)
+    anyio.run(run_watched, serve, "main")
 
 
 async def _serve_fanout(

@@ -25,13 +25,20 @@ class LoopStalls:
     longest_s: float = 0.0
     where: str = ""
     """``<log> <process>: <innermost frame of the most sampled stack>`` of the longest stall."""
+    seconds: float = 0.0
+    """Every stall's ``stalled_s``, summed."""
+    gc_s: float = 0.0
+    """Every stall's ``gc_s`` (the garbage collector's share of it, D411), summed."""
 
     def figures(self) -> dict[str, Any]:
-        """The drill's figures (``loop_stalls``, ``loop_stall_longest_s`` and where it was)."""
+        """The drill's figures: ``loop_stalls``, the longest and where it was, the stalls'
+        seconds summed and the collector's part of them."""
         return {
             "loop_stalls": self.count,
             "loop_stall_longest_s": self.longest_s,
             "loop_stall_longest_where": self.where,
+            "loop_stall_s": self.seconds,
+            "loop_stall_gc_s": self.gc_s,
         }
 
     def sentence(self, logs: Path) -> str:
@@ -41,13 +48,14 @@ class LoopStalls:
         times = "once" if self.count == 1 else f"{self.count:,} times"
         return (
             f" The servers' event loops stalled {times}, the longest {self.longest_s:.1f} s "
-            f"({self.where}); see {EVENT} in {logs}."
+            f"({self.where}), {self.seconds:.1f} s in all, {self.gc_s:.1f} s of it in garbage "
+            f"collections; see {EVENT} in {logs}."
         )
 
 
 def loop_stalls(logs: Path) -> LoopStalls:
     """Count the ``event_loop_stalled`` events of every ``*.log`` in ``logs`` (none: zeros)."""
-    count, longest, where = 0, 0.0, ""
+    count, longest, where, total, collecting = 0, 0.0, "", 0.0, 0.0
     for path in sorted(logs.glob("*.log")):
         with path.open(encoding="utf-8", errors="replace") as lines:
             for line in lines:
@@ -61,10 +69,12 @@ def loop_stalls(logs: Path) -> LoopStalls:
                     continue
                 seconds = float(event.get("stalled_s") or 0.0)
                 count += 1
+                total += seconds
+                collecting += float(event.get("gc_s") or 0.0)
                 if seconds > longest:
                     longest = seconds
                     where = f"{path.stem} {event.get('process', '?')}{_innermost(event)}"
-    return LoopStalls(count, round(longest, 3), where)
+    return LoopStalls(count, round(longest, 3), where, round(total, 3), round(collecting, 3))
 
 
 def _innermost(event: dict[str, Any]) -> str:

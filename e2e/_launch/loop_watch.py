@@ -14,6 +14,12 @@ request of every rollout waits, and what the clients later see is a deadline tha
   is also logged while it lasts (``event_loop_still_stalled``, every ``ONGOING_S``), so a process
   killed during a stall has said where it was.
 
+The watch also times every collection of the cyclic garbage collector in its process
+(``gc.callbacks``, :class:`GcClock`). A collection holds the GIL from start to end, so no stack
+is sampled inside one; instead each stall's event says how much of it went into collections
+(``gc_s``, ``gc_collections``), and ``midflight_gc_pause_seconds`` shows each collection by
+generation (D411).
+
 A stack is sampled with ``sys._current_frames()``, which needs the GIL: a C call that holds it
 for a long time (a big ``sorted``, one huge validation) is seen only once it has returned, so the
 sample names the code that ran next. Frame names and line numbers are logged, never a frame's
@@ -22,6 +28,7 @@ values, so no token or request body reaches the log.
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -49,13 +56,15 @@ STACK_DEPTH: Final = 8
 TOP_STACKS: Final = 3
 """Stacks named in a stall's event, the most frequent first."""
 LAG_BUCKETS: Final = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GC_BUCKETS: Final = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 JOIN_S: Final = 2.0
 """How long leaving the watch waits for its thread."""
 
 LAG_METRIC: Final = "midflight_event_loop_lag_seconds"
 STALLS_METRIC: Final = "midflight_event_loop_stalls"
 STALLED_METRIC: Final = "midflight_event_loop_stalled_seconds"
-METRIC_NAMES: Final = (LAG_METRIC, f"{STALLS_METRIC}_total", f"{STALLED_METRIC}_total")
+GC_METRIC: Final = "midflight_gc_pause_seconds"
+METRIC_NAMES: Final = (LAG_METRIC, f"{STALLS_METRIC}_total", f"{STALLED_METRIC}_total", GC_METRIC)
 """The families a watched process adds to its ``/metrics`` (as ``# TYPE`` names them)."""
 
 _log = structlog.get_logger("midflight.loop")
@@ -74,6 +83,43 @@ def stack_of(frame: FrameType | None, depth: int = STACK_DEPTH) -> tuple[str, ..
         names.append(_frame_name(frame))
         frame = frame.f_back
     return tuple(names)
+
+
+class GcClock:
+    """Times each collection of the cyclic garbage collector while it is entered (D411).
+
+    ``seconds`` and ``collections`` only grow, so a reader takes their difference over a span.
+    Collections never overlap (the collector holds the GIL and does not start inside one), so
+    one start time is enough.
+
+    Args:
+        pauses: Observes each collection's seconds, labelled by ``generation``; none when omitted.
+    """
+
+    def __init__(self, pauses: Histogram | None = None) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._started = 0.0
+        self._pauses = None if pauses is None else [pauses.labels(str(g)) for g in range(3)]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        now = time.perf_counter()
+        if phase == "start":
+            self._started = now
+            return
+        took = now - self._started
+        self.seconds += took
+        self.collections += 1
+        if self._pauses is not None:
+            self._pauses[min(info["generation"], 2)].observe(took)
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
 
 
 @dataclass
@@ -123,6 +169,8 @@ class LoopWatch:
         self._beat = time.monotonic()
         self._stall: _Stall | None = None
         self._loop_thread = 0
+        self._gc_mark = (0.0, 0)
+        """The collector's seconds and collections at the last beat."""
         self.lag = Histogram(
             LAG_METRIC,
             "How late the event loop's watch task woke, each time it woke (0.1 s apart).",
@@ -139,6 +187,15 @@ class LoopWatch:
             "Seconds the event loop spent stalled, summed over its stalls.",
             registry=registry,
         )
+        self.gc = GcClock(
+            Histogram(
+                GC_METRIC,
+                "Seconds each collection of the cyclic garbage collector held the process.",
+                ["generation"],
+                buckets=GC_BUCKETS,
+                registry=registry,
+            )
+        )
 
     @asynccontextmanager
     async def watching(self) -> AsyncIterator[None]:
@@ -147,16 +204,18 @@ class LoopWatch:
         with self._lock:
             self._beat = time.monotonic()
             self._stall = None
+            self._gc_mark = (self.gc.seconds, self.gc.collections)
         stop = threading.Event()
         thread = threading.Thread(target=self._watch, args=(stop,), name="loop-watch", daemon=True)
         thread.start()
         try:
-            async with anyio.create_task_group() as group:
-                group.start_soon(self._tick)
-                try:
-                    yield
-                finally:
-                    group.cancel_scope.cancel()
+            with self.gc:
+                async with anyio.create_task_group() as group:
+                    group.start_soon(self._tick)
+                    try:
+                        yield
+                    finally:
+                        group.cancel_scope.cancel()
         finally:
             stop.set()
             thread.join(JOIN_S)
@@ -170,6 +229,8 @@ class LoopWatch:
             with self._lock:
                 self._beat = now
                 stall, self._stall = self._stall, None
+                gc_before, collections_before = self._gc_mark
+                self._gc_mark = (self.gc.seconds, self.gc.collections)
             self.lag.observe(late)
             if late >= self._stall_s:
                 self.stalls.inc()
@@ -178,6 +239,8 @@ class LoopWatch:
                 self._log.warning(
                     "event_loop_stalled",
                     stalled_s=round(late, 3),
+                    gc_s=round(self.gc.seconds - gc_before, 3),
+                    gc_collections=self.gc.collections - collections_before,
                     samples=samples,
                     stacks=[] if stall is None else stall.summary(),
                 )
@@ -185,7 +248,7 @@ class LoopWatch:
     def _watch(self, stop: threading.Event) -> None:
         while not stop.wait(self._sample_s):
             with self._lock:
-                beat = self._beat
+                beat, (gc_before, _) = self._beat, self._gc_mark
             quiet = time.monotonic() - beat
             if quiet < self._stall_s:
                 continue
@@ -207,6 +270,7 @@ class LoopWatch:
                 self._log.warning(
                     "event_loop_still_stalled",
                     stalled_s=round(quiet, 3),
+                    gc_s=round(self.gc.seconds - gc_before, 3),
                     samples=samples,
                     stacks=summary,
                 )
@@ -219,4 +283,4 @@ async def run_watched(work: Callable[[], Awaitable[None]], process: str) -> None
         await work()
 
 
-__all__ = ["METRIC_NAMES", "LoopWatch", "run_watched", "stack_of"]
+__all__ = ["METRIC_NAMES", "GcClock", "LoopWatch", "run_watched", "stack_of"]

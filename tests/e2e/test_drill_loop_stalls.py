@@ -13,9 +13,10 @@ from e2e._drill.baseline import baseline_shortfall
 from e2e._drill.loop_stalls import LoopStalls, loop_stalls
 
 
-def _stall(seconds: float, process: str, frame: str) -> str:
+def _stall(seconds: float, process: str, frame: str, gc_s: float = 0.25) -> str:
     stacks = [{"samples": 3, "frames": [frame, "asyncio.events:80 _run"]}]
-    event = {"process": process, "stalled_s": seconds, "samples": 3, "stacks": stacks}
+    event = {"process": process, "stalled_s": seconds, "gc_s": gc_s, "gc_collections": 1}
+    event |= {"samples": 3, "stacks": stacks}
     return json.dumps({**event, "event": "event_loop_stalled", "level": "warning"})
 
 
@@ -28,20 +29,23 @@ def test_the_longest_stall_is_named_with_its_log_process_and_frame(tmp_path: Pat
         + "\n"
     )
     (tmp_path / "environment-1.log").write_text(
-        _stall(5.5, "shard-0", "participants._fanout.channel:120 send") + "\n"
+        _stall(5.5, "shard-0", "participants._fanout.channel:120 send", gc_s=1.5) + "\n"
     )
     (tmp_path / "notes.txt").write_text(_stall(60.0, "main", "ignored:1 not_a_log") + "\n")
     stalls = loop_stalls(tmp_path)
     assert stalls == LoopStalls(
-        2, 5.5, "environment-1 shard-0: participants._fanout.channel:120 send"
+        2, 5.5, "environment-1 shard-0: participants._fanout.channel:120 send", 7.5, 1.75
     )
     assert stalls.figures() == {
         "loop_stalls": 2,
         "loop_stall_longest_s": 5.5,
         "loop_stall_longest_where": "environment-1 shard-0: participants._fanout.channel:120 send",
+        "loop_stall_s": 7.5,
+        "loop_stall_gc_s": 1.75,
     }
     said = stalls.sentence(tmp_path)
     assert "stalled 2 times, the longest 5.5 s (environment-1 shard-0: " in said
+    assert "7.5 s in all, 1.8 s of it in garbage collections" in said
     assert str(tmp_path) in said
 
 

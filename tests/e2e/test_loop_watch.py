@@ -3,6 +3,7 @@ the stack that held it, and counted on ``/metrics``."""
 
 from __future__ import annotations
 
+import gc
 import json
 import sys
 import time
@@ -60,6 +61,53 @@ async def test_a_held_loop_is_logged_once_with_the_stack_that_held_it() -> None:
     assert lags is not None and lags >= 5  # every beat is observed, the stalled one among them
     late = registry.get_sample_value("midflight_event_loop_lag_seconds_bucket", {"le": "1.0"})
     assert late is not None and late == lags - 1  # exactly one beat came more than 1 s late
+
+
+def _cyclic_garbage(count: int) -> None:
+    """Leave ``count`` lists behind, each referring to itself: only a collection frees them."""
+    for _ in range(count):
+        cycle: list[Any] = []
+        cycle.append(cycle)
+
+
+async def test_a_stall_says_how_much_of_it_the_garbage_collector_took() -> None:
+    """D411: a collection holds the GIL, so no stack shows it; the event says it instead."""
+    registry = CollectorRegistry()
+    with capture_logs() as logs:
+        async with _fast(registry).watching():
+            await anyio.sleep(0.2)
+            gc.disable()  # this collection, and only this one, inside the stall
+            try:
+                _cyclic_garbage(300_000)
+                start = time.perf_counter()
+                gc.collect()
+                collected_s = time.perf_counter() - start
+            finally:
+                gc.enable()
+            _hold_the_loop(0.6)
+            await anyio.sleep(0.2)
+    (stall,) = _events(logs, "event_loop_stalled")
+    assert stall["gc_collections"] >= 1, stall
+    assert collected_s * 0.9 <= stall["gc_s"] <= stall["stalled_s"], (collected_s, stall)
+    full = registry.get_sample_value("midflight_gc_pause_seconds_count", {"generation": "2"})
+    assert full is not None and full >= 1
+    held = registry.get_sample_value("midflight_gc_pause_seconds_sum", {"generation": "2"})
+    assert held is not None and held >= collected_s * 0.9
+
+
+async def test_a_stall_without_collections_says_so() -> None:
+    gc.collect()
+    with capture_logs() as logs:
+        async with _fast().watching():
+            await anyio.sleep(0.2)
+            gc.disable()
+            try:
+                _hold_the_loop(0.8)
+            finally:
+                gc.enable()
+            await anyio.sleep(0.2)
+    (stall,) = _events(logs, "event_loop_stalled")
+    assert stall["gc_collections"] == 0 and stall["gc_s"] == 0, stall
 
 
 async def test_the_operations_page_shows_the_stall_event_with_its_real_fields() -> None:

@@ -362,6 +362,10 @@ class AgentParticipant(BaseParticipant):
         ]
         for session in covered:
             session.retired = True  # a blocker until freed, so no checkpoint exports it
+            if session.scope is not None:
+                # Every one cancelled before any is waited for: they wind down in the same
+                # turns of the loop, not one after another (D412).
+                session.scope.cancel()
         self.changes.notify()
         for session in covered:
             await self._stop(session)

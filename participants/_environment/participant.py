@@ -373,7 +373,12 @@ class EnvironmentParticipant(BaseParticipant):
         """Stop every tracked attempt the batch covers, wait, then free it and its records; one
         pass over what is tracked for the whole batch (D389)."""
         tracked = dict(self.steps.episodes)
-        for key in keys_covered_by(tracked, episode_ids):
+        covered = keys_covered_by(tracked, episode_ids)
+        for key in covered:
+            # Every one cancelled before any is waited for: they wind down in the same turns
+            # of the loop, not one after another (D412).
+            self.steps.halt(tracked[key])
+        for key in covered:
             await self.steps.stop(tracked[key])
             self.digests.pop(key, None)
         for key in keys_covered_by(self.restored, episode_ids):

@@ -174,12 +174,16 @@ class EpisodeSteps:
         episode.stopped.set()
         self.changes.notify()
 
-    async def stop(self, episode: TrackedEpisode) -> None:
-        """Retire ``episode``: refuse it, cancel it unless it is finishing, wait until it stopped."""
+    def halt(self, episode: TrackedEpisode) -> None:
+        """Refuse ``episode`` and cancel it unless it is finishing; waits for nothing."""
         episode.retired = True
         self.changes.notify()
         if not episode.finishing:
             episode.scope.cancel()
+
+    async def stop(self, episode: TrackedEpisode) -> None:
+        """Retire ``episode``: ``halt`` it, then wait until it stopped."""
+        self.halt(episode)
         await episode.stopped.wait()
         self.end(episode)
 

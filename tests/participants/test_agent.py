@@ -335,3 +335,58 @@ async def test_a_held_reply_in_use_when_a_checkpoint_closes_is_exported_with_its
         await agent.open_admission()
     assert peers.model_calls == 0  # the held reply answered the turn: no call asked again
     assert replies[0]["messages"][2]["content"] == "held"
+
+
+class WindingDownPeers(ScriptedPeers):
+    """A model call that never answers and, once cancelled, takes until ``released`` to wind
+    down, as a real call does while its connection is closed on a busy event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled: list[str] = []
+        self.released = anyio.Event()
+
+    async def complete(
+        self, session_key: str, messages: list[dict[str, str]], max_tokens: int
+    ) -> str:
+        self.model_calls += 1
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(session_key)
+            with anyio.CancelScope(shield=True):
+                await self.released.wait()
+            raise
+        raise AssertionError("unreachable")
+
+
+async def test_a_retire_cancels_every_running_session_of_its_batch_before_it_waits_for_one() -> (
+    None
+):
+    """D412: stopped one after another, each session's wind-down cost the retire a few turns of
+    a loop that took seconds a turn at 4,000 in flight, and 100 sessions outlasted 30 s."""
+    peers = WindingDownPeers()
+    agent = AgentParticipant("agent", peers)
+    episodes = [EpisodeId(rollout_id=f"r{i}") for i in range(20)]
+    for index, episode in enumerate(episodes):
+        await agent.seed(episode, f"s{index}", TASK)
+
+    async def activate(episode: EpisodeId) -> None:
+        with contextlib.suppress(StaleAttemptError):
+            await agent.activate(episode, 1)
+
+    async with anyio.create_task_group() as group:
+        try:
+            for episode in episodes:
+                group.start_soon(activate, episode)
+            await wait_all_tasks_blocked()
+            assert peers.model_calls == len(episodes)
+            agent.marks.raise_to(episodes)  # what the runtime does before it calls retire_many
+            group.start_soon(agent.retire_many, episodes)
+            await wait_all_tasks_blocked()
+            # Every call is winding down at once, before the retire waits for the first of them.
+            assert sorted(peers.cancelled) == sorted(e.capture_key for e in episodes)
+            assert all(session.retired for session in agent.sessions.values())
+        finally:
+            peers.released.set()  # the shielded wind-downs must end, or a failed test would hang
+    assert agent.sessions == {}

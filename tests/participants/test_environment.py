@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 from participants import EpisodeOutcome
@@ -217,6 +219,50 @@ async def test_retire_cancels_a_running_episode_and_refuses_it_afterwards(tmp_pa
         env.start("r1-a1")
         assert (await env.outcome("r1-a1")).result is not None
     assert "close" not in env.peers.names("r1")  # cancelled, not cleaned up by the episode
+
+
+class _WindingDown(ScriptedPeers):
+    """An activation that never answers and, once cancelled, takes until ``released`` to wind
+    down, as a real call does while its connection is closed on a busy event loop."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cancelled: list[str] = []
+        self.released = anyio.Event()
+
+    async def activate(self, key: str, activation: int) -> dict[str, Any]:
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(key)
+            with anyio.CancelScope(shield=True):
+                await self.released.wait()
+            raise
+        raise AssertionError("unreachable")
+
+
+async def test_a_retire_cancels_every_episode_of_its_batch_before_it_waits_for_one(
+    tmp_path: Path,
+) -> None:
+    """D412: stopped one after another, each episode's wind-down cost the retire a few turns of
+    a loop that took seconds a turn at 4,000 in flight."""
+    peers = _WindingDown()
+    keys = [f"r{i}" for i in range(10)]
+    async with environment(tmp_path, peers) as env:
+        for key in keys:
+            env.start(key)
+        await settle()
+        assert set(env.participant.steps.episodes) == set(keys)
+        env.group.start_soon(env.participant.retire_many, [ep(key) for key in keys])
+        try:
+            await settle()
+            # Every episode is winding down at once, before the retire waits for the first.
+            assert sorted(peers.cancelled) == sorted(keys)
+        finally:
+            peers.released.set()  # the shielded wind-downs must end, or a failed test would hang
+        for key in keys:
+            assert isinstance(await env.outcome(key), StaleAttemptError)
+    assert env.participant.steps.episodes == {}
 
 
 async def test_a_running_key_is_refused(tmp_path: Path) -> None:

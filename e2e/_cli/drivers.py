@@ -31,6 +31,8 @@ def register(app: typer.Typer) -> None:
         plan: Annotated[Path, typer.Option()],
     ) -> None:
         """The controller process of one random sequence (started by ``drill --sequences``)."""
+        from .._launch.serving import configure_server_logging
         from .._sequences.driver import main
 
+        configure_server_logging()  # as the drill's controller (D410): stdout is its protocol
         main(root, cluster, plan)

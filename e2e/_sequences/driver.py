@@ -34,6 +34,7 @@ from .._drill.control import CommitOutcome, ControlSession
 from .._drill.dispatch import DEADLINE_SECONDS
 from .._drill.driver import Driver
 from .._drill.plan import DriverPlan
+from .._launch.loop_watch import run_watched
 from .._servers.cluster import Cluster, read_cluster
 
 OPERATIONS = ("start", "finish", "checkpoint", "crash", "retire")
@@ -229,4 +230,4 @@ def main(root: Path, cluster_path: Path, plan_path: Path) -> None:
     first_index = data.pop("first_index")
     plan = DriverPlan(**data)
     driver = SequenceDriver(root, read_cluster(cluster_path), plan, token, ops, first_index)
-    anyio.run(driver.run)
+    anyio.run(run_watched, driver.run, "controller")  # its stalls go to its log (D410)

@@ -32,7 +32,7 @@ from protocols import (
     WireError,
 )
 
-from .._servers.peer_pool import CONNECT_SECONDS, peer_transport
+from .._servers.peer_pool import HELD_CALL_TIMEOUT, peer_transport
 from .._trace.propagation import TRACE_HOOKS
 
 Scope = MutableMapping[str, Any]
@@ -245,7 +245,7 @@ def aggregate_metrics(main: str, shards: list[str]) -> str:
 def proxy_client() -> httpx.AsyncClient:
     """The client a shard proxies other slots' requests with (held calls wait long)."""
     return httpx.AsyncClient(
-        timeout=httpx.Timeout(connect=CONNECT_SECONDS, read=900.0, write=60.0, pool=60.0),
+        timeout=HELD_CALL_TIMEOUT,
         follow_redirects=False,
         transport=peer_transport(),
         event_hooks=TRACE_HOOKS,

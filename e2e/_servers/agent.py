@@ -36,12 +36,10 @@ from protocols import EpisodeId, InternalError, WireError, error_from_envelope
 from .._trace.propagation import TRACE_HOOKS
 from .call_phase import CallPhase
 from .context import ServeContext, control_settings
-from .peer_pool import CONNECT_SECONDS, peer_transport
+from .peer_pool import HELD_CALL_TIMEOUT, peer_transport
 
 ACTIVATION_HEADER: Final = "x-ng-agent-activation"
 RESTART_HEADER: Final = "x-ng-checkpoint-restart"
-HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=CONNECT_SECONDS, read=900.0, write=60.0, pool=60.0)
-"""Model and tool calls may be held through a checkpoint, hence the long read timeout."""
 SESSION_ERRORS: Final = error_responses(
     (
         "invalid_rollout_id",

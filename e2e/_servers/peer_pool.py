@@ -55,6 +55,10 @@ event loop has not processed yet, or a SYN the kernel is still sending again. At
 flight the loops stalled for up to 12 s, and a 10 s connect timeout then gave up connections
 the kernel had made. The server had accepted each of them, and each was tried again: more work
 for loops that were already behind."""
+HELD_CALL_TIMEOUT: Final = httpx.Timeout(connect=CONNECT_SECONDS, read=900.0, write=60.0, pool=60.0)
+"""Every data-path call that may be held through a checkpoint on its way back (an agent's model
+and tool calls, the policy server's calls to its worker, a shard's proxy): a long read, and a
+connect as long as every data-path connect (D409)."""
 
 
 def peer_transport() -> httpx.AsyncHTTPTransport:

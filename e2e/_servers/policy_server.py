@@ -55,9 +55,9 @@ from protocols import (
 
 from .._trace.propagation import TRACE_HOOKS
 from .evidence import EvidenceLog
-from .peer_pool import peer_transport
+from .peer_pool import HELD_CALL_TIMEOUT, peer_transport
 from .policy_apis import ModelApi, ModelCall, ModelReply
-from .worker_client import WORKER_TIMEOUT, ContinuationRefused, call_worker
+from .worker_client import ContinuationRefused, call_worker
 
 
 def request_digest(prompt: list[int]) -> str:
@@ -108,7 +108,7 @@ class PolicyServer:
         """The worker client, for as long as the server runs."""
         async with httpx.AsyncClient(
             base_url=self.worker_url,
-            timeout=WORKER_TIMEOUT,
+            timeout=HELD_CALL_TIMEOUT,
             transport=self._transport or peer_transport(),
             event_hooks=TRACE_HOOKS,
         ) as client:

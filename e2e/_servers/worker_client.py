@@ -30,11 +30,7 @@ from protocols import (
 )
 
 from .._trace.propagation import TRACE_HOOKS
-from .peer_pool import CONNECT_SECONDS
 
-WORKER_TIMEOUT: Final = httpx.Timeout(connect=CONNECT_SECONDS, read=900.0, write=60.0, pool=60.0)
-"""A generation may be held through a checkpoint on its way back; a connect is given as long as
-every data-path connect (D409)."""
 ABORT_TIMEOUT_SECONDS: Final = 30.0
 """An abort waits for a call's final staging at most; a worker that does not answer is down."""
 _log = structlog.get_logger("midflight.policy")

@@ -476,6 +476,33 @@ async def _run_to_the_crash_point(driver: Driver) -> tuple[bool, list[str]]:
     return crashed, said
 
 
+def _crashing_phase(tmp_path: Path, rollouts: int, **plan: Any) -> tuple[Driver, _CutControl]:
+    """Phase 0 of ``rollouts`` with one checkpoint before its crash, cutting ``r0``, and a model
+    call in flight from the start; ``plan`` adds to the driver's plan."""
+    driver = Driver(
+        tmp_path,
+        default_cluster(tmp_path),
+        DriverPlan(
+            rollouts=[f"r{n}" for n in range(rollouts)],
+            task_input={},
+            phase=0,
+            checkpoints=1,
+            crash_after=True,
+            commit_delay_s=0,
+            **plan,
+        ),
+        "token",
+    )
+    control = _CutControl(tmp_path, cuts=[["r0"]])
+
+    async def generating() -> int:
+        return 1
+
+    control.model_calls_in_flight = generating  # type: ignore[attr-defined]
+    driver.control = control  # type: ignore[assignment]
+    return driver, control
+
+
 async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path: Path) -> None:
     """D403: a drill of 4,000 at once took its checkpoints 2-3 s into each phase, with a few
     hundred rollouts sent, so its crashes restored under 200 rollouts, not thousands."""
@@ -485,17 +512,7 @@ async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path:
         await release.wait()  # every run stays in flight
         return httpx.Response(200, json={"failure": {"code": "x", "detail": "ended"}})
 
-    plan = DriverPlan(
-        rollouts=[f"r{n}" for n in range(40)],
-        task_input={},
-        phase=0,
-        checkpoints=1,
-        crash_after=True,
-        concurrency=30,
-        commit_delay_s=0,
-    )
-    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
-    control = _CutControl(tmp_path, cuts=[["r0"]])
+    driver, control = _crashing_phase(tmp_path, 40, concurrency=30)
     in_flight_at_prepare: list[int] = []
     prepare = control.prepare
 
@@ -503,12 +520,7 @@ async def test_a_phase_checkpoints_only_once_its_dispatcher_has_filled(tmp_path:
         in_flight_at_prepare.append(len(driver.in_flight))
         return await prepare(checkpoint_id, deadline)
 
-    async def generating() -> int:
-        return 1  # a model call is in flight from the start
-
     control.prepare = counting_prepare  # type: ignore[method-assign]
-    control.model_calls_in_flight = generating  # type: ignore[attr-defined]
-    driver.control = control  # type: ignore[assignment]
     driver.http = httpx.AsyncClient(transport=httpx.MockTransport(on_run))
     crashed, _said = await _run_to_the_crash_point(driver)
     assert crashed
@@ -519,16 +531,7 @@ async def test_a_phase_discovers_its_participants_before_it_dispatches(tmp_path:
     """D408: run 22 of the 4,000 drill discovered its participants on its first prepare, with
     4,000 rollouts in flight; the status calls took about 25 s of the prepare's 30 s deadline,
     and the environment's prepare, sent with 5 s left, got no reply in time."""
-    plan = DriverPlan(
-        rollouts=[f"r{n}" for n in range(4)],
-        task_input={},
-        phase=0,
-        checkpoints=1,
-        crash_after=True,
-        commit_delay_s=0,
-    )
-    driver = Driver(tmp_path, default_cluster(tmp_path), plan, "token")
-    control = _CutControl(tmp_path, cuts=[["r0"]])
+    driver, control = _crashing_phase(tmp_path, 4)
     seen: list[str] = []
 
     async def discover() -> None:
@@ -538,13 +541,8 @@ async def test_a_phase_discovers_its_participants_before_it_dispatches(tmp_path:
         seen.append("prepare")
         return await _CutControl.prepare(control, checkpoint_id, deadline)
 
-    async def generating() -> int:
-        return 1
-
     control.coordinator = discover  # type: ignore[method-assign]
     control.prepare = prepare  # type: ignore[method-assign]
-    control.model_calls_in_flight = generating  # type: ignore[attr-defined]
-    driver.control = control  # type: ignore[assignment]
     driver.http = httpx.AsyncClient(
         transport=httpx.MockTransport(lambda request: httpx.Response(503))
     )

@@ -137,3 +137,22 @@ class FakeParticipant(BaseParticipant):
 
     def status_extra(self) -> dict[str, Any]:
         return {"restored_pending": sorted(self.restored)}
+
+
+class WindDown:
+    """A peer call that never answers and, once cancelled, winds down only when ``released``
+    is set, as a real call does while its connection is closed on a busy event loop (D412)."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+        self.released = anyio.Event()
+
+    async def hold(self, key: str) -> None:
+        """Wait until cancelled, note ``key``, wait for the release, then re-raise."""
+        try:
+            await anyio.sleep_forever()
+        except anyio.get_cancelled_exc_class():
+            self.cancelled.append(key)
+            with anyio.CancelScope(shield=True):
+                await self.released.wait()
+            raise

@@ -28,6 +28,7 @@ from protocols import (
     InvalidCheckpointStateError,
     StaleAttemptError,
 )
+from tests.participants.fakes import WindDown
 
 pytestmark = pytest.mark.anyio
 TASK = AgentTaskInput(activations=1, turns=2, max_tokens=4, seed=0)
@@ -338,25 +339,17 @@ async def test_a_held_reply_in_use_when_a_checkpoint_closes_is_exported_with_its
 
 
 class WindingDownPeers(ScriptedPeers):
-    """A model call that never answers and, once cancelled, takes until ``released`` to wind
-    down, as a real call does while its connection is closed on a busy event loop."""
+    """Model calls held by a :class:`WindDown`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.cancelled: list[str] = []
-        self.released = anyio.Event()
+        self.wind_down = WindDown()
 
     async def complete(
         self, session_key: str, messages: list[dict[str, str]], max_tokens: int
     ) -> str:
         self.model_calls += 1
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled.append(session_key)
-            with anyio.CancelScope(shield=True):
-                await self.released.wait()
-            raise
+        await self.wind_down.hold(session_key)
         raise AssertionError("unreachable")
 
 
@@ -385,8 +378,8 @@ async def test_a_retire_cancels_every_running_session_of_its_batch_before_it_wai
             group.start_soon(agent.retire_many, episodes)
             await wait_all_tasks_blocked()
             # Every call is winding down at once, before the retire waits for the first of them.
-            assert sorted(peers.cancelled) == sorted(e.capture_key for e in episodes)
+            assert sorted(peers.wind_down.cancelled) == sorted(e.capture_key for e in episodes)
             assert all(session.retired for session in agent.sessions.values())
         finally:
-            peers.released.set()  # the shielded wind-downs must end, or a failed test would hang
+            peers.wind_down.released.set()  # the shielded wind-downs must end, or a test hangs
     assert agent.sessions == {}

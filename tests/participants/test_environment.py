@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 
 from participants import EpisodeOutcome
@@ -21,6 +20,7 @@ from protocols import (
 )
 
 from .environment_fakes import Env, ScriptedPeers, environment, ep, settle, soon, task
+from .fakes import WindDown
 
 pytestmark = pytest.mark.anyio
 
@@ -222,22 +222,14 @@ async def test_retire_cancels_a_running_episode_and_refuses_it_afterwards(tmp_pa
 
 
 class _WindingDown(ScriptedPeers):
-    """An activation that never answers and, once cancelled, takes until ``released`` to wind
-    down, as a real call does while its connection is closed on a busy event loop."""
+    """Activations held by a :class:`WindDown`."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.cancelled: list[str] = []
-        self.released = anyio.Event()
+        self.wind_down = WindDown()
 
     async def activate(self, key: str, activation: int) -> dict[str, Any]:
-        try:
-            await anyio.sleep_forever()
-        except anyio.get_cancelled_exc_class():
-            self.cancelled.append(key)
-            with anyio.CancelScope(shield=True):
-                await self.released.wait()
-            raise
+        await self.wind_down.hold(key)
         raise AssertionError("unreachable")
 
 
@@ -257,9 +249,9 @@ async def test_a_retire_cancels_every_episode_of_its_batch_before_it_waits_for_o
         try:
             await settle()
             # Every episode is winding down at once, before the retire waits for the first.
-            assert sorted(peers.cancelled) == sorted(keys)
+            assert sorted(peers.wind_down.cancelled) == sorted(keys)
         finally:
-            peers.released.set()  # the shielded wind-downs must end, or a failed test would hang
+            peers.wind_down.released.set()  # the shielded wind-downs must end, or a test hangs
         for key in keys:
             assert isinstance(await env.outcome(key), StaleAttemptError)
     assert env.participant.steps.episodes == {}

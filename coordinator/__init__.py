@@ -17,7 +17,8 @@
 - ``IDLE_CONNECTION_EXPIRY_S``: how long every midflight client keeps an idle connection (2 s, under
   any server's keep-alive), and :func:`http_transport`, the transport every midflight client
   sends through (httpcore's pool with a linear assignment pass that never closes a connection a
-  request holds), for a controller that builds its own ``httpx`` clients;
+  request holds), for a controller that builds its own ``httpx`` clients, and :class:`HttpClient`,
+  the ``httpx.AsyncClient`` whose replies leave no reference cycle for the garbage collector;
 - :func:`discover_on_ray` / :func:`hosted_on_ray`: the participants hosted as named actors in a
   Ray namespace (:class:`HostedServer`, answered by each actor's ``describe``);
 - :func:`checkpoint_trace`: one checkpoint as one OpenTelemetry trace, for a controller that
@@ -28,6 +29,7 @@ from ._checkpoint import CheckpointOutcome, checkpoint
 from ._client import ControlClient, NotAParticipantError
 from ._discovery import discover
 from ._fixed_order import Coordinator, PrepareResult
+from ._http_client import HttpClient
 from ._layout import (
     CHECKPOINT_FILE,
     CHECKPOINTS_SUBDIR,
@@ -69,6 +71,7 @@ __all__ = [
     "Coordinator",
     "GcReport",
     "HostedServer",
+    "HttpClient",
     "LatestMovedError",
     "LedgerClient",
     "Member",

@@ -26,6 +26,7 @@ from tenacity.wait import wait_base
 
 from protocols import WireError, error_from_envelope
 
+from ._http_client import HttpClient
 from ._pool import http_transport
 from ._tracing import inject_headers
 
@@ -148,7 +149,7 @@ class RetryingCaller:
         self.name = name
         self.policy = policy
         self._check_reply = check_reply
-        self._http = httpx.AsyncClient(
+        self._http = HttpClient(
             base_url=url + prefix,
             headers={"authorization": f"Bearer {token}"},
             # A transport of the caller's (a test's ASGI app) is used as given (D381).

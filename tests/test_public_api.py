@@ -107,6 +107,7 @@ PUBLIC = {
         "IDLE_CONNECTION_EXPIRY_S",  # one figure for every client's idle connections (D375)
         "send_while_out_of_time",  # one resend rule for commit, retire and resume (D392)
         "http_transport",  # httpcore's pool with a linear pass that spares held connections (D381)
+        "HttpClient",  # replies freed without the cyclic garbage collector (D414)
     ],
     "e2e": [
         "build_app", "main",

@@ -30,7 +30,7 @@ import structlog
 from fastapi import FastAPI
 from tenacity import wait_none
 
-from coordinator import ControlClient, Coordinator, Member
+from coordinator import ControlClient, Coordinator, HttpClient, Member
 from participants import ControlPlane
 from protocols import EpisodeId, ParticipantKind
 
@@ -178,7 +178,7 @@ class InProcessCluster:
         async with AsyncExitStack() as stack:
             for app in self.apps.values():
                 await stack.enter_async_context(app.router.lifespan_context(app))
-            self.http = httpx.AsyncClient(
+            self.http = HttpClient(
                 transport=httpx.ASGITransport(app=self.apps["environment"]),
                 base_url="http://environment",
                 timeout=httpx.Timeout(900.0),

@@ -20,6 +20,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from coordinator import (
     Coordinator,
+    HttpClient,
     LedgerClient,
     PrepareResult,
     checkpoint_location,
@@ -89,7 +90,7 @@ class ControlSession:
         fault = os.environ.get("MIDFLIGHT_FAULT")
         self.publish_fault = fault if fault in PUBLISH_FAULTS else None
         self._auth = {"Authorization": f"Bearer {token}"}
-        self._http = httpx.AsyncClient(
+        self._http = HttpClient(
             timeout=httpx.Timeout(60.0, connect=10.0), transport=http_transport(CONTROLLER_POOL)
         )
         self._coordinator: Coordinator | None = None

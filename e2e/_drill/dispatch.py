@@ -18,7 +18,7 @@ import anyio.lowlevel
 import httpx
 from opentelemetry import trace
 
-from coordinator import http_transport
+from coordinator import HttpClient, http_transport
 from protocols import ROLLOUT_SPAN, EpisodeId
 
 from .._servers.cluster import Cluster
@@ -110,7 +110,7 @@ class RolloutDispatcher:
         self.admission = AdmissionGate()
         self.filled = anyio.Event()  # set once the dispatcher reached its concurrency (D403)
         self.control = ControlSession(cluster, token)
-        self.http = httpx.AsyncClient(  # no connect retries: a /run never sent is resent (D372)
+        self.http = HttpClient(  # no connect retries: a /run never sent is resent (D372)
             timeout=httpx.Timeout(900.0, connect=10.0),
             transport=http_transport(PEER_POOL),
             event_hooks=TRACE_HOOKS,

@@ -22,6 +22,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.responses import JSONResponse, Response
 
+from coordinator import HttpClient
 from participants import FanoutShard, authorized, continued, error_response, slot_of
 from protocols import (
     CONTROL_PREFIX,
@@ -244,7 +245,7 @@ def aggregate_metrics(main: str, shards: list[str]) -> str:
 
 def proxy_client() -> httpx.AsyncClient:
     """The client a shard proxies other slots' requests with (held calls wait long)."""
-    return httpx.AsyncClient(
+    return HttpClient(
         timeout=HELD_CALL_TIMEOUT,
         follow_redirects=False,
         transport=peer_transport(),

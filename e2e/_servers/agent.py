@@ -22,6 +22,7 @@ import httpx
 from fastapi import FastAPI, Header, Response
 from pydantic import BaseModel, ConfigDict
 
+from coordinator import HttpClient
 from participants import (
     AgentParticipant,
     AgentTaskInput,
@@ -157,7 +158,7 @@ def create_agent_app(
             roles: tuple[Literal["model", "resources"], ...] = ("model", "resources")
             for role in roles:
                 transport = (transports or {}).get(role)
-                client = httpx.AsyncClient(
+                client = HttpClient(
                     base_url=ctx.peer_url(role),
                     timeout=HELD_CALL_TIMEOUT,
                     transport=transport or peer_transport(),

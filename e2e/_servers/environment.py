@@ -22,6 +22,7 @@ import httpx
 from fastapi import FastAPI
 from pydantic import BaseModel, ConfigDict, Field
 
+from coordinator import HttpClient
 from participants import (
     Clock,
     ControlPlane,
@@ -312,14 +313,14 @@ def create_environment_app(
         clock: Where the budget reads the time (the wall clock by default).
         timeouts: How long each peer call may take; :class:`PeerTimeouts` by default.
     """
-    agent = httpx.AsyncClient(
+    agent = HttpClient(
         base_url=ctx.peer_url("agent"),
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=agent_transport or peer_transport(),
         cookies=_no_cookie_jar(),
         event_hooks=TRACE_HOOKS,
     )
-    resources = httpx.AsyncClient(
+    resources = HttpClient(
         base_url=ctx.peer_url("resources"),
         timeout=_httpx_timeout(PeerTimeouts().call_s),
         transport=resources_transport or peer_transport(),

@@ -30,6 +30,7 @@ import httpx
 from fastapi.responses import JSONResponse
 from starlette.types import Receive, Scope, Send
 
+from coordinator import HttpClient
 from participants import (
     ModelParticipant,
     ModelTicket,
@@ -106,7 +107,7 @@ class PolicyServer:
     @asynccontextmanager
     async def running(self) -> AsyncIterator[None]:
         """The worker client, for as long as the server runs."""
-        async with httpx.AsyncClient(
+        async with HttpClient(
             base_url=self.worker_url,
             timeout=HELD_CALL_TIMEOUT,
             transport=self._transport or peer_transport(),

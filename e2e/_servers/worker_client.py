@@ -14,7 +14,7 @@ from typing import Any, Final
 import httpx
 import structlog
 
-from coordinator import IDLE_CONNECTION_EXPIRY_S, http_transport
+from coordinator import IDLE_CONNECTION_EXPIRY_S, HttpClient, http_transport
 from protocols import (
     ABORT_CALLS_PATH,
     GENERATION_CUT_PATH,
@@ -75,7 +75,7 @@ class HttpCutRequester:
     async def running(self) -> AsyncIterator[None]:
         """The control client, for as long as the server runs."""
         headers = {"authorization": f"Bearer {self._token}"} if self._token else {}
-        async with httpx.AsyncClient(
+        async with HttpClient(
             headers=headers,
             transport=self._transport or http_transport(CONTROL_POOL),
             event_hooks=TRACE_HOOKS,

@@ -184,18 +184,23 @@ def create_worker_app(
         # A caller that goes away (a retired or cancelled call) stops the generation (D245).
         outcome: list[CompletionReply | Exception] = []
         async with anyio.create_task_group() as group:
+            # The watcher stops inside a scope of its own and ends normally: a task that ends
+            # cancelled leaves its error, its frames and anyio's ``task_done`` in a cycle that
+            # only the garbage collector frees, once per completion (D414).
+            watching = anyio.CancelScope()
 
             async def until_disconnected() -> None:
-                while (await request.receive())["type"] != "http.disconnect":
-                    pass
-                group.cancel_scope.cancel()
+                with watching:
+                    while (await request.receive())["type"] != "http.disconnect":
+                        pass
+                    group.cancel_scope.cancel()
 
             group.start_soon(until_disconnected)
             try:
                 outcome.append(await engine.complete(body))
             except Exception as exc:  # raised below, outside the task group's exception group
                 outcome.append(exc)
-            group.cancel_scope.cancel()
+            watching.cancel()
         if not outcome:
             raise StaleAttemptError("the caller went away; the generation was stopped")
         if isinstance(outcome[0], Exception):

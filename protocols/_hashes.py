@@ -43,6 +43,10 @@ CALL_DIGEST_DOMAIN: Final = b"nemo-gym-staging-call-v2"
 EXTRAS_DIGEST_DOMAIN: Final = b"nemo-gym-staging-extras-v1"
 CUMULATIVE_HASH_DOMAIN: Final = b"nemo-gym-staging-prefix-v2"
 CHAIN_HASH_DOMAIN: Final = b"nemo-gym-staging-chain-v1"
+_CALL_DIGEST_HEAD: Final = CALL_DIGEST_DOMAIN + bytes(
+    (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
+)
+"""The digest's domain and version bytes: a call passes only these versions."""
 CAPTURE_MODES: Final = ("text", "token_in")
 
 _U64_MAX: Final = 2**64 - 1
@@ -58,6 +62,22 @@ def _u64(value: int, *, field: str) -> bytes:
     if type(value) is not int or not 0 <= value <= _U64_MAX:
         raise ValueError(f"{field} must be an unsigned 64-bit integer, got {value!r}")
     return struct.pack(">Q", value)
+
+
+_PACK_U64: Final = struct.Struct(">Q").pack
+_PACK_4U64: Final = struct.Struct(">4Q").pack
+_LENGTH_FIELDS: Final = ("prev_len", "delta_len", "cum_len", "weight_version")
+
+
+def _u64s(prev_len: int, delta_len: int, cum_len: int, weight_version: int) -> bytes:
+    """The four u64 fields of the staging digest in one pack; a bad one is named by ``_u64``."""
+    values = (prev_len, delta_len, cum_len, weight_version)
+    if _EXACT_INT.issuperset(map(type, values)):
+        try:
+            return _PACK_4U64(*values)
+        except struct.error:
+            pass  # out of range: named below
+    return b"".join(_u64(v, field=f) for v, f in zip(values, _LENGTH_FIELDS, strict=True))
 
 
 def _text(value: str, *, field: str) -> bytes:
@@ -278,25 +298,37 @@ def compute_staging_digest(
         generation_log_probs_delta=generation_log_probs_delta,
     )
     parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, field="parent")
-    digest = hashlib.sha256(CALL_DIGEST_DOMAIN)
-    digest.update(bytes(versions))
-    digest.update(_text(rollout_id, field="rollout_id"))
-    digest.update(_text(model_call_id, field="model_call_id"))
-    digest.update(parent)
-    digest.update(_text(mode, field="mode"))
-    digest.update(_u64(prev_len, field="prev_len"))
-    digest.update(_u64(delta_len, field="delta_len"))
-    digest.update(_u64(cum_len, field="cum_len"))
-    digest.update(_u64(weight_version, field="weight_version"))
-    for block in (
-        encode_token_ids(token_ids_delta),
-        _encode_float32s(token_mask_delta, field="token_mask_delta"),
-        _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta"),
-    ):
-        # Double-prefixed: the block's byte length, then the block (which starts with its count).
-        digest.update(struct.pack(">Q", len(block)))
-        digest.update(block)
-    digest.update(_digest_bytes(extras_digest, field="extras_digest"))
-    digest.update(b"\x01" + _digest_bytes(chain_hash, field="chain_hash"))
-    digest.update(b"\x01" + _digest_bytes(cumulative_hash, field="cumulative_hash"))
-    return digest.hexdigest()
+    head = (
+        _text(rollout_id, field="rollout_id")
+        + _text(model_call_id, field="model_call_id")
+        + parent
+        + _text(mode, field="mode")
+        + _u64s(prev_len, delta_len, cum_len, weight_version)
+    )
+    tokens = encode_token_ids(token_ids_delta)
+    masks = _encode_float32s(token_mask_delta, field="token_mask_delta")
+    log_probs = _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta")
+    digests = (
+        _digest_bytes(extras_digest, field="extras_digest")
+        + b"\x01"
+        + _digest_bytes(chain_hash, field="chain_hash")
+        + b"\x01"
+        + _digest_bytes(cumulative_hash, field="cumulative_hash")
+    )
+    # One buffer hashed once: the bytes an update per part would feed, for less Python a call.
+    # Each block is double-prefixed: its byte length, then the block (which starts with its count).
+    return hashlib.sha256(
+        b"".join(
+            (
+                _CALL_DIGEST_HEAD,
+                head,
+                _PACK_U64(len(tokens)),
+                tokens,
+                _PACK_U64(len(masks)),
+                masks,
+                _PACK_U64(len(log_probs)),
+                log_probs,
+                digests,
+            )
+        )
+    ).hexdigest()

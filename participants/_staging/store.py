@@ -104,12 +104,16 @@ class FileTokenStagingStore:
         lines = [_line(entry.staging_key, dump(entry)) for entry in entries]
         self._publish(lines, keys)
         replaced = False
-        unlink, entry_path = os.unlink, self._entry_path
+        unlink, exists, entry_path = os.unlink, os.access, self._entry_path
         for key in keys:
-            try:
-                unlink(entry_path(key))
-            except FileNotFoundError:
+            path = entry_path(key)
+            # A cut key almost never has a file: asking costs half of a failed unlink (D417).
+            if not exists(path, os.F_OK):
                 continue
+            try:
+                unlink(path)
+            except FileNotFoundError:
+                continue  # another writer removed it first
             replaced = True
         if replaced:
             fsync_directory(self.root)  # the segment's entries must not be hidden after a crash

@@ -339,6 +339,29 @@ def test_a_built_record_is_the_record_validation_makes_of_its_fields(
     assert record.model_dump_json() == validated.model_dump_json()
 
 
+@given(staged_records())
+def test_a_built_record_is_what_model_construct_makes_of_its_fields(
+    record: StagedCallRecord,
+) -> None:
+    """D417: the builder sets the instance's state itself; pydantic's own builder agrees."""
+    constructed = StagedCallRecord.model_construct(**record.model_dump())
+    assert vars(record) == vars(constructed)
+    assert list(vars(record)) == list(vars(constructed))  # the same field order
+    for name in ("__pydantic_fields_set__", "__pydantic_extra__", "__pydantic_private__"):
+        assert getattr(record, name) == getattr(constructed, name)
+
+
+def test_the_record_model_has_nothing_model_construct_would_add() -> None:
+    """The builder skips what model_construct does for aliases, post-init hooks, extra fields
+    and private attributes (D417): a change to the model that brings one in fails here."""
+    fields = StagedCallRecord.__pydantic_fields__.values()
+    assert all(f.alias is None and f.validation_alias is None for f in fields)
+    assert StagedCallRecord.__pydantic_post_init__ is None
+    assert not StagedCallRecord.__pydantic_root_model__
+    assert not StagedCallRecord.__private_attributes__
+    assert StagedCallRecord.model_config.get("extra") == "forbid"
+
+
 class _Text(str):
     pass
 

@@ -79,7 +79,8 @@ def _register_worker(serve_app: typer.Typer) -> None:
         ] = None,
         seed: Annotated[int, typer.Option(min=0, max=2**64 - 1, help="Generation seed.")] = 0,
         cut_timeout_ms: Annotated[
-            float, typer.Option(min=1.0, help="Deadline of one call's generation cut.")
+            float,
+            typer.Option(min=1.0, help="Deadline of a generation-cut round (every call it cuts)."),
         ] = 5000.0,
         engine: Annotated[
             str,

@@ -72,7 +72,8 @@ class WorkerSettings:
             ``<root>/evidence/worker.jsonl``.
         seed: The generation seed.
         token_delay_ms: Delay before each generated token.
-        cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
+        cut_timeout_ms: How long a cut round may take; a call its round has not made durable by
+            then is acked ``durable_failure``.
         control_token: The bearer token of the cut route; ``None`` installs no control route.
         name: The server's name.
         engine: The inference engine's name in :data:`~e2e._worker.engines.ENGINES`.

@@ -97,7 +97,8 @@ class WorkerEngine:
         store: Where records and cuts are staged.
         evidence: The worker's evidence log.
         inference: The inference engine that decodes the calls.
-        cut_timeout_ms: How long one call's cut may take before it answers ``durable_failure``.
+        cut_timeout_ms: How long a cut round may take; a call its round has not made durable by
+            then is acked ``durable_failure``.
         name: The worker's name, part of receipt snapshot ids.
         clock: Monotonic seconds, injectable for tests.
         forget_prefix: Fault switch ``continue-without-prefix``: the inference engine is handed

@@ -69,7 +69,7 @@ from ._errors import (
     WireError,
     error_from_envelope,
 )
-from ._hashes import compute_chain_hash, hash_token_ids
+from ._hashes import compute_chain_hash, hash_token_ids, root_call_hashes
 from ._ids import (
     EpisodeId,
     attempts_through,
@@ -336,6 +336,7 @@ __all__ = [
     "render_prompt",
     "resolve_explicit_rows",
     "resolve_rows",
+    "root_call_hashes",
     "serialize_manifest",
     "shard_span",
     "sorted_capture_keys",

@@ -156,6 +156,20 @@ def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[
     ).hexdigest()
 
 
+def root_call_hashes(token_ids: Sequence[int]) -> tuple[str, str]:
+    """``(compute_chain_hash(None, token_ids), hash_token_ids(token_ids))`` from one encoding.
+
+    A root call's delta is its whole sequence, so both hashes cover the same token block; at
+    thousands of tokens the encoding is most of either hash's cost (D418).
+
+    Raises:
+        ValueError: A token id is out of range.
+    """
+    block = encode_token_ids(token_ids)
+    chain = hashlib.sha256(CHAIN_HASH_DOMAIN + b"\x00" + block).hexdigest()
+    return chain, hashlib.sha256(CUMULATIVE_HASH_DOMAIN + block).hexdigest()
+
+
 def _encode_extra(value: Any) -> bytes:
     # Exact types only: a numpy scalar, a tuple or bytes must not silently pick an encoding.
     if value is None:

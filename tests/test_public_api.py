@@ -49,7 +49,7 @@ PUBLIC = {
         "generation_cut_staging_key", "hash_token_ids", "inventory_digest",
         "is_records_file_name", "keys_covered_by", "manifest_from_rows", "next_phase",
         "participant_directory",
-        "refuse_unrestorable", "render_prompt", "resolve_explicit_rows", "resolve_rows", "serialize_manifest",
+        "refuse_unrestorable", "render_prompt", "resolve_explicit_rows", "resolve_rows", "root_call_hashes", "serialize_manifest",
         "sorted_capture_keys", "staging_key", "task_digest", "validate_checkpoint_id",
         "validate_ledger_key", "validate_ledger_keys", "validate_rollout_ids",
         "validate_row", "validate_safe_name",

@@ -30,6 +30,7 @@ from protocols import (
     TokenStagingStore,
     compute_chain_hash,
     hash_token_ids,
+    root_call_hashes,
     staging_key,
 )
 
@@ -160,14 +161,21 @@ class RolloutTokenCapture:
             tokens = cut.token_ids_delta + generated
             masks = cut.token_mask_delta + [1.0] * len(generated)
             delta_log_probs = cut.generation_log_probs_delta + log_probs
+        if admission.prev_len == 0:
+            # A root: the delta is the whole sequence (a text admission has no parent chain
+            # hash and no prefix), so both hashes read one encoding of it.
+            chain_hash, cumulative_hash = root_call_hashes(tokens)
+        else:
+            chain_hash = compute_chain_hash(admission.parent_chain_hash, tokens)
+            cumulative_hash = hash_token_ids(prompt + generated)
         return record_of(
             admission,
             weight_version=call.oldest_weight_version,
             tokens=tokens,
             masks=masks,
             log_probs=delta_log_probs,
-            chain_hash=compute_chain_hash(admission.parent_chain_hash, tokens),
-            cumulative_hash=hash_token_ids(prompt + generated),
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
             extras=extras,
         )
 

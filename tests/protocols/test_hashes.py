@@ -7,8 +7,10 @@ import math
 import struct
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from protocols import compute_chain_hash, hash_token_ids
+from protocols import compute_chain_hash, hash_token_ids, root_call_hashes
 from protocols._hashes import (
     EMPTY_EXTRAS_DIGEST,
     compute_extras_digest,
@@ -223,3 +225,14 @@ def test_the_staging_digest_checks_lengths_and_versions() -> None:
         compute_staging_digest(**{**fields, "cum_len": 6})
     with pytest.raises(ValueError, match="versions"):
         compute_staging_digest(**{**fields, "digest_version": 1})
+
+
+@given(st.lists(st.integers(0, 2**64 - 1), max_size=40))
+def test_a_root_call_s_two_hashes_from_one_encoding_are_the_two_hashes(tokens: list[int]) -> None:
+    """D418: ``root_call_hashes`` gives exactly what the two functions give on their own."""
+    assert root_call_hashes(tokens) == (compute_chain_hash(None, tokens), hash_token_ids(tokens))
+
+
+def test_a_root_call_s_hashes_refuse_what_the_encoding_refuses() -> None:
+    with pytest.raises(ValueError, match="unsigned 64-bit"):
+        root_call_hashes([1, -1])

@@ -169,7 +169,6 @@ class StagedCallRecord(DigestWireModel):
             TypeError: The extras hold an unsupported type.
         """
         tokens = list(token_ids_delta)
-        extras_digest = compute_extras_digest(extras)
         fields: dict[str, Any] = {  # in the order of the model's fields, as pydantic keeps them
             "schema_version": STAGING_SCHEMA_VERSION,
             "digest_version": STAGING_DIGEST_VERSION,
@@ -186,7 +185,7 @@ class StagedCallRecord(DigestWireModel):
             "token_ids_delta": tokens,
             "token_mask_delta": list(token_mask_delta),
             "generation_log_probs_delta": list(generation_log_probs_delta),
-            "extras_digest": extras_digest,
+            "extras_digest": compute_extras_digest(extras),
             "chain_hash": chain_hash,
             "cumulative_hash": cumulative_hash,
             "extras": extras,

@@ -161,13 +161,8 @@ class RolloutTokenCapture:
             tokens = cut.token_ids_delta + generated
             masks = cut.token_mask_delta + [1.0] * len(generated)
             delta_log_probs = cut.generation_log_probs_delta + log_probs
-        if admission.prev_len == 0:
-            # A root: the delta is the whole sequence (a text admission has no parent chain
-            # hash and no prefix), so both hashes read one encoding of it.
-            chain_hash, cumulative_hash = root_call_hashes(tokens)
-        else:
-            chain_hash = compute_chain_hash(admission.parent_chain_hash, tokens)
-            cumulative_hash = hash_token_ids(prompt + generated)
+        # The prompt was checked to be the prefix and then the delta's own prompt tokens.
+        chain_hash, cumulative_hash = _call_hashes(call, tokens)
         return record_of(
             admission,
             weight_version=call.oldest_weight_version,
@@ -219,14 +214,15 @@ class RolloutTokenCapture:
         ):
             raise ValueError("a staged record belongs to another call")
         whole = [t for record in staged for t in record.token_ids_delta] + generated
+        chain_hash, cumulative_hash = _call_hashes(call, whole)
         return record_of(
             admission,
             weight_version=call.weight_version,
             tokens=generated,
             masks=[1.0] * len(generated),
             log_probs=log_probs,
-            chain_hash=compute_chain_hash(admission.parent_chain_hash, whole),
-            cumulative_hash=hash_token_ids(call.prefix_token_ids + whole),
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
         )
 
     def complete_call(
@@ -337,3 +333,14 @@ class RolloutTokenCapture:
                     f"rollout {call.rollout_id} call {call.model_call_id} was already completed"
                 )
             call.completed = True
+
+
+def _call_hashes(call: ActiveCall, delta: list[int]) -> tuple[str, str]:
+    """The chain hash of ``delta`` on the call's parent, and the cumulative hash of the call's
+    prefix followed by ``delta``. A root has no parent and no prefix, so both hashes cover
+    ``delta`` alone and share one encoding of it (D418)."""
+    admission = call.admission
+    if admission.prev_len == 0:
+        return root_call_hashes(delta)
+    chain_hash = compute_chain_hash(admission.parent_chain_hash, delta)
+    return chain_hash, hash_token_ids(call.prefix_token_ids + delta)

@@ -64,6 +64,7 @@ from ._resources.models import (
 )
 from ._resources.participant import ResourcesParticipant
 from ._runtime.clock import Clock, ManualClock
+from ._runtime.collector import collector_paused
 from ._runtime.kill_points import KILL_BOUNDARIES, read_kill_announcements
 from ._runtime.limits import (
     OPEN_FILES_TARGET,
@@ -165,6 +166,7 @@ __all__ = [
     "authorized",
     "build_report",
     "checkpoint_span",
+    "collector_paused",
     "continued",
     "control_router",
     "current_traceparent",

@@ -129,6 +129,7 @@ from ._records import (
     serialize_manifest,
     task_digest,
 )
+from ._staged_prefix import StagedPrefix
 from ._staging import (
     CaptureAdmission,
     CommitCoords,
@@ -287,6 +288,7 @@ __all__ = [
     "RolloutRetiredError",
     "StagedCallRecord",
     "StagedEntry",
+    "StagedPrefix",
     "StaleAttemptError",
     "StaleCheckpointError",
     "StatusReply",

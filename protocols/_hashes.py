@@ -27,10 +27,9 @@ import math
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from itertools import compress, repeat
-from operator import ne, not_
 from typing import Any, Final
 
+from ._layout import check_staged_layout
 from ._records import SHA256_HEX_PATTERN
 from ._strict import (
     EXACT_FLOAT_TYPES,
@@ -47,12 +46,10 @@ _CALL_DIGEST_HEAD: Final = CALL_DIGEST_DOMAIN + bytes(
     (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
 )
 """The digest's domain and version bytes: a call passes only these versions."""
-CAPTURE_MODES: Final = ("text", "token_in")
 
 _U64_MAX: Final = 2**64 - 1
 _DIGEST = re.compile(SHA256_HEX_PATTERN)
 _EXACT_INT: Final = frozenset({int})
-_MASKS: Final = frozenset({0.0, 1.0})
 # The checks below run per token on every staged record. Each first tries the whole column at C
 # speed (the set of its element types; one struct call) and only on a failure walks it item by
 # item, so the item that broke the rule is named exactly as before.
@@ -99,15 +96,35 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     Raises:
         ValueError: An id is not an exact integer in ``[0, 2**64)``.
     """
+    count = len(token_ids)
     if _EXACT_INT.issuperset(map(type, token_ids)):
         try:
-            return struct.pack(f">Q{len(token_ids)}Q", len(token_ids), *token_ids)
+            return struct.pack(f">Q{count}Q", count, *token_ids)
         except struct.error:
             pass  # out of range: named below
+    _refuse_bad_ids(token_ids)
+    return struct.pack(f">Q{count}Q", count, *token_ids)
+
+
+def encode_token_elements(token_ids: Sequence[int]) -> bytes:
+    """Each id as u64 big-endian: the token block without its leading count.
+
+    Raises:
+        ValueError: An id is not an exact integer in ``[0, 2**64)``.
+    """
+    if _EXACT_INT.issuperset(map(type, token_ids)):
+        try:
+            return struct.pack(f">{len(token_ids)}Q", *token_ids)
+        except struct.error:
+            pass  # out of range: named below
+    _refuse_bad_ids(token_ids)
+    return struct.pack(f">{len(token_ids)}Q", *token_ids)
+
+
+def _refuse_bad_ids(token_ids: Sequence[int]) -> None:
     for token_id in token_ids:
         if type(token_id) is not int or not 0 <= token_id <= _U64_MAX:
             raise ValueError(f"a token id must be an unsigned 64-bit integer, got {token_id!r}")
-    return struct.pack(f">Q{len(token_ids)}Q", len(token_ids), *token_ids)
 
 
 def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
@@ -124,6 +141,29 @@ def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
             # value is. No need to read the block back (D351).
             if math.isfinite(sum(values)):
                 return block
+    return _PACK_U64(count) + _checked_float32s(values, field=field)
+
+
+def encode_float32_elements(values: Sequence[float], *, field: str) -> bytes:
+    """Each value as float32 big-endian: a float block without its leading count.
+
+    Raises:
+        ValueError: A value is not an exact finite float that float32 can hold (``field`` names
+            the column in the message).
+    """
+    if EXACT_FLOAT_TYPES.issuperset(map(type, values)):
+        try:
+            block = struct.pack(f">{len(values)}f", *values)
+        except OverflowError:
+            pass  # named below
+        else:
+            if math.isfinite(sum(values)):  # as in _encode_float32s (D351)
+                return block
+    return _checked_float32s(values, field=field)
+
+
+def _checked_float32s(values: Sequence[float], *, field: str) -> bytes:
+    """The values packed, or the ``ValueError`` naming the first that cannot be."""
     for value in values:
         if type(value) is not float or not math.isfinite(value):
             raise ValueError(f"{field} must hold finite floats, got {value!r}")
@@ -133,7 +173,7 @@ def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
         raise ValueError(f"{field} holds a value float32 cannot represent") from exc
     if not all(map(math.isfinite, struct.unpack(f">{len(values)}f", packed))):
         raise ValueError(f"{field} holds a value that overflows float32")
-    return struct.pack(">Q", len(values)) + packed
+    return packed
 
 
 def hash_token_ids(token_ids: Sequence[int]) -> str:
@@ -218,57 +258,6 @@ EMPTY_EXTRAS_DIGEST: Final = compute_extras_digest(None)
 """The extras digest of a call without extras."""
 
 
-def check_staged_layout(
-    *,
-    parent_call_id: str | None,
-    mode: str,
-    prev_len: int,
-    delta_len: int,
-    cum_len: int,
-    token_ids_delta: Sequence[int],
-    token_mask_delta: Sequence[float],
-    generation_log_probs_delta: Sequence[float],
-) -> None:
-    """The structural rules of a staged call, without hashing.
-
-    Root ⇔ no parent ⇔ ``prev_len == 0`` ⇔ mode ``text``; a child is ``token_in``. The delta is
-    non-empty, ``delta_len`` counts it, the three columns have equal lengths,
-    ``cum_len == prev_len + delta_len``, masks are 0.0 or 1.0 and a masked-out log-prob is 0.0.
-
-    Raises:
-        ValueError: A rule is broken.
-    """
-    if parent_call_id == "":
-        raise ValueError("parent_call_id must be non-empty when present")
-    if mode not in CAPTURE_MODES:
-        raise ValueError(f"unknown capture mode {mode!r}")
-    if parent_call_id is None and (prev_len != 0 or mode != "text"):
-        raise ValueError("a call without a parent must be a text-mode root with prev_len 0")
-    if parent_call_id is not None and (prev_len == 0 or mode != "token_in"):
-        raise ValueError("a child call must be token_in with prev_len > 0")
-    if delta_len < 1:
-        raise ValueError("a staged delta must hold at least one token")
-    if delta_len != len(token_ids_delta):
-        raise ValueError(f"delta_len {delta_len} does not count {len(token_ids_delta)} token ids")
-    if not len(token_ids_delta) == len(token_mask_delta) == len(generation_log_probs_delta):
-        raise ValueError("token ids, masks and log-probs must have equal lengths")
-    if cum_len != prev_len + delta_len:
-        raise ValueError(f"cum_len {cum_len} is not prev_len + delta_len ({prev_len + delta_len})")
-    try:
-        # Every mask 0.0 or 1.0, and no masked-out (``not mask``) log-prob other than 0.0.
-        if _MASKS.issuperset(token_mask_delta) and not any(
-            map(ne, compress(generation_log_probs_delta, map(not_, token_mask_delta)), repeat(0.0))
-        ):
-            return
-    except TypeError:
-        pass  # an unhashable mask: named below
-    for mask, log_prob in zip(token_mask_delta, generation_log_probs_delta, strict=True):
-        if mask not in (0.0, 1.0):
-            raise ValueError(f"a token mask must be 0.0 or 1.0, got {mask!r}")
-        if mask == 0.0 and log_prob != 0.0:
-            raise ValueError("a masked-out (prompt) token must carry log-prob 0.0")
-
-
 def compute_staging_digest(
     *,
     schema_version: int,
@@ -311,30 +300,24 @@ def compute_staging_digest(
         token_mask_delta=token_mask_delta,
         generation_log_probs_delta=generation_log_probs_delta,
     )
-    parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, field="parent")
-    head = (
-        _text(rollout_id, field="rollout_id")
-        + _text(model_call_id, field="model_call_id")
-        + parent
-        + _text(mode, field="mode")
-        + _u64s(prev_len, delta_len, cum_len, weight_version)
+    head = _call_head(
+        rollout_id,
+        model_call_id,
+        parent_call_id,
+        mode,
+        prev_len,
+        delta_len,
+        cum_len,
+        weight_version,
     )
     tokens = encode_token_ids(token_ids_delta)
     masks = _encode_float32s(token_mask_delta, field="token_mask_delta")
     log_probs = _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta")
-    digests = (
-        _digest_bytes(extras_digest, field="extras_digest")
-        + b"\x01"
-        + _digest_bytes(chain_hash, field="chain_hash")
-        + b"\x01"
-        + _digest_bytes(cumulative_hash, field="cumulative_hash")
-    )
     # One buffer hashed once: the bytes an update per part would feed, for less Python a call.
     # Each block is double-prefixed: its byte length, then the block (which starts with its count).
     return hashlib.sha256(
         b"".join(
             (
-                _CALL_DIGEST_HEAD,
                 head,
                 _PACK_U64(len(tokens)),
                 tokens,
@@ -342,7 +325,41 @@ def compute_staging_digest(
                 masks,
                 _PACK_U64(len(log_probs)),
                 log_probs,
-                digests,
+                _call_tail(extras_digest, chain_hash, cumulative_hash),
             )
         )
     ).hexdigest()
+
+
+def _call_head(
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+) -> bytes:
+    """The staging digest's bytes before the three column blocks."""
+    parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, field="parent")
+    return (
+        _CALL_DIGEST_HEAD
+        + _text(rollout_id, field="rollout_id")
+        + _text(model_call_id, field="model_call_id")
+        + parent
+        + _text(mode, field="mode")
+        + _u64s(prev_len, delta_len, cum_len, weight_version)
+    )
+
+
+def _call_tail(extras_digest: str, chain_hash: str, cumulative_hash: str) -> bytes:
+    """The staging digest's bytes after the three column blocks (``ValueError`` when a value is
+    not a lowercase SHA-256 hex digest)."""
+    return (
+        _digest_bytes(extras_digest, field="extras_digest")
+        + b"\x01"
+        + _digest_bytes(chain_hash, field="chain_hash")
+        + b"\x01"
+        + _digest_bytes(cumulative_hash, field="cumulative_hash")
+    )

@@ -10,11 +10,19 @@ import typer
 from rich.table import Table
 
 from .._bench.common import quiet_logs, under_load
+from .._bench.cuts import (
+    CALLS,
+    CHUNK_TOKENS,
+    GENERATED_TOKENS,
+    PROMPT_TOKENS,
+    ROUNDS,
+    run_cuts_bench,
+)
 from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
 from .bench_paths import DirOption, refuse_unusable_paths
-from .bench_suites import add_suite_commands, emit_bench
+from .bench_suites import add_suite_commands, emit_bench, parse_sizes
 from .output import JsonOption, console, print_whole, usage_error
 from .serve_options import LedgerLayoutChoice
 
@@ -124,6 +132,83 @@ def register(app: typer.Typer) -> None:
                 f"{payload['floor_cpu_us_per_call']:.1f} CPU µs / call; ours is "
                 f"{payload['ratio']:.2f}x that. Wall: {payload['wall_us_per_call']:.1f} µs / call."
             )
+
+        emit_bench(payload, as_json=as_json, render=render)
+
+    @bench.command("cuts")
+    def cuts_command(
+        calls: Annotated[
+            str | None,
+            typer.Option(
+                help="Comma-separated live calls on the worker, one size each (256,1024,4096)."
+            ),
+        ] = None,
+        prompt_tokens: Annotated[
+            int, typer.Option(min=1, help="Prompt tokens of each call.")
+        ] = PROMPT_TOKENS,
+        generated: Annotated[
+            int, typer.Option(min=0, help="Tokens each call has generated at round 1.")
+        ] = GENERATED_TOKENS,
+        chunk: Annotated[
+            int, typer.Option(min=1, help="Tokens each call generates before each later round.")
+        ] = CHUNK_TOKENS,
+        rounds: Annotated[int, typer.Option(min=1, help="Cut rounds per size.")] = ROUNDS,
+        cut_timeout_ms: Annotated[
+            float,
+            typer.Option(
+                min=1.0, help="The worker's cut deadline (serve worker --cut-timeout-ms)."
+            ),
+        ] = 5000.0,
+        directory: DirOption = None,
+        as_json: JsonOption = False,
+    ) -> None:
+        """The worker's generation-cut round at real context lengths: CPU per call and per token
+        in flight, calls past the cut deadline, beside the bytes' floor."""
+        refuse_unusable_paths(directory)
+        sizes = parse_sizes(calls, CALLS, False, "--calls")
+        with (
+            tempfile.TemporaryDirectory(prefix="midflight-bench-", dir=directory) as scratch,
+            quiet_logs(),
+        ):
+            payload = under_load(
+                lambda: run_cuts_bench(
+                    Path(scratch),
+                    calls=sizes,
+                    prompt_tokens=prompt_tokens,
+                    generated=generated,
+                    chunk=chunk,
+                    rounds=rounds,
+                    cut_timeout_ms=cut_timeout_ms,
+                )
+            )
+
+        def render() -> None:
+            table = Table(
+                title=f"worker cut rounds: {prompt_tokens:,} prompt + {generated:,} generated "
+                f"tokens a call, +{chunk} a round, deadline {cut_timeout_ms:g} ms"
+            )
+            columns = (
+                ("calls", "calls"),
+                ("round", "round"),
+                ("staged", "staged"),
+                ("tokens_in_flight", "tokens in flight"),
+                ("cut_failed", "past deadline"),
+                ("round_s", "round s"),
+                ("us_per_call", "CPU µs / call"),
+                ("ns_per_token", "CPU ns / token"),
+                ("floor_s", "floor s"),
+                ("ratio", "ratio"),
+            )
+            for _key, heading in columns:
+                table.add_column(heading, justify="right", overflow="fold")
+            for row in payload["rows"]:
+                table.add_row(
+                    *(
+                        f"{row[key]:,}" if isinstance(row[key], int) else str(row[key])
+                        for key, _ in columns
+                    )
+                )
+            print_whole(table)
 
         emit_bench(payload, as_json=as_json, render=render)
 

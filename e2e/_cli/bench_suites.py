@@ -104,7 +104,7 @@ def emit_bench(payload: dict[str, Any], *, as_json: bool, render: Callable[[], N
     emit(payload, as_json=as_json, render=render_with_load)
 
 
-def _sizes(
+def parse_sizes(
     text: str | None, default: Sequence[int], soak: bool, option: str = "--sizes"
 ) -> list[int]:
     try:
@@ -144,7 +144,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """Checkpoint pause and control-plane overhead against writing the same bytes."""
-        chosen = _sizes(sizes, SIZES, soak)
+        chosen = parse_sizes(sizes, SIZES, soak)
         workload = replace(PARKED_WORKLOAD, token_delay_ms=token_delay_ms)
         payload = _run(
             "checkpoint",
@@ -249,7 +249,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
     ) -> None:
         """Restore time against records size and rollout count, beside reading and writing the
         same bytes."""
-        chosen = _sizes(sizes, SIZES, False)
+        chosen = parse_sizes(sizes, SIZES, False)
         payload = _run(
             "restore",
             lambda scratch, profiler: run_restore_bench(
@@ -297,7 +297,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
         as_json: JsonOption = False,
     ) -> None:
         """The most rollouts in flight carried through checkpoint, crash and restore, none lost."""
-        chosen = _sizes(ladder, LADDER, False, "--ladder")
+        chosen = parse_sizes(ladder, LADDER, False, "--ladder")
         payload = _run(
             "scale",
             lambda scratch, _profiler: run_scale_bench(scratch, ladder=chosen, budget_s=budget),

@@ -1,26 +1,32 @@
 """Generation cuts on the deterministic worker: the state of a live call, and a cut batch.
 
-A batch of a cut round takes each call's cut lock without yielding, fixes how many tokens each
-call's cut covers (decoding goes on past that point), then builds every new record, stages them
-as one staging batch (``put_entries``: one segment, two fsyncs) and builds every ack, all in one
-worker-thread job. A batch is sealed only once it is durable; a call that finished before the cut
-arrived is answered from its completion evidence (a ``terminal_completion`` ack, D251).
+A cut round splits its calls into batches of a bounded number of calls and of new tokens
+(:func:`cut_batches`, D421). A batch takes each call's cut lock without yielding, fixes how many
+tokens each call's cut covers (decoding goes on past that point), then builds every new record,
+stages them as one staging batch (``put_entries``: one segment, two fsyncs) and builds every ack,
+all in one worker-thread job. Each call keeps its staged records as a ``StagedPrefix`` whose
+columns are encoded once, so a later cut's chunk hashes and receipt digest cost no pass over the
+call's earlier tokens (D420). A batch is sealed only once it is durable; a call that finished
+before the cut arrived is answered from its completion evidence (a ``terminal_completion`` ack,
+D251).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 import anyio.to_thread
 
-from participants import ActiveCall, RolloutTokenCapture, put_entries, rebuild_generation_cut
+from participants import ActiveCall, RolloutTokenCapture, put_entries
 from protocols import (
     CommitCoords,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
     StagedCallRecord,
     StagedEntry,
+    StagedPrefix,
     TokenStagingStore,
     generation_cut_staging_key,
 )
@@ -39,7 +45,7 @@ class LiveCall:
     continued: int
     generated: list[int] = field(default_factory=list)
     log_probs: list[float] = field(default_factory=list)
-    staged: list[StagedCallRecord] = field(default_factory=list)
+    staged: StagedPrefix = field(init=False, repr=False)
     staged_keys: list[str] = field(default_factory=list)
     staged_count: int = 0
     last_sequence: int = 0
@@ -48,6 +54,9 @@ class LiveCall:
     # Made on the event loop once the call is admitted (_begin runs in a worker thread).
     scope: anyio.CancelScope | None = None
     left: anyio.Event | None = None
+
+    def __post_init__(self) -> None:
+        self.staged = RolloutTokenCapture.staged_prefix(self.call)
 
     @property
     def capture_key(self) -> str:
@@ -82,6 +91,31 @@ class CutPlan:
     sequence: int
 
 
+def new_tokens(live: LiveCall) -> int:
+    """Tokens the call's next cut record would carry: its whole delta first, then a chunk."""
+    if not live.staged:
+        return len(live.engine_prompt) - live.call.admission.prev_len + len(live.generated)
+    return max(len(live.generated) - live.staged_count, 0)
+
+
+def cut_batches(
+    running: Sequence[tuple[GenerationCutPrefix, LiveCall]], *, calls: int, tokens: int
+) -> Iterator[list[tuple[GenerationCutPrefix, LiveCall]]]:
+    """``running`` in order, in batches of at most ``calls`` calls whose new records carry at
+    most ``tokens`` tokens together (a call carrying more is a batch of its own), D421."""
+    batch: list[tuple[GenerationCutPrefix, LiveCall]] = []
+    weight = 0
+    for item in running:
+        carried = new_tokens(item[1])
+        if batch and (len(batch) >= calls or weight + carried > tokens):
+            yield batch
+            batch, weight = [], 0
+        batch.append(item)
+        weight += carried
+    if batch:
+        yield batch
+
+
 async def cut_batch(
     capture: RolloutTokenCapture,
     store: TokenStagingStore,
@@ -110,10 +144,10 @@ async def cut_batch(
             stage_batch, capture, store, checkpoint_id, plans, abandon_on_cancel=True
         )
         # Reached only if the batch is durable within the deadline: seal it.
-        for plan, (record, _) in zip(plans, staged, strict=True):
-            if record is not None and plan.key is not None:
+        for plan, (longer, _) in zip(plans, staged, strict=True):
+            if longer is not None and plan.key is not None:
                 live = plan.live
-                live.staged.append(record)
+                live.staged = longer
                 live.staged_keys.append(plan.key)
                 live.staged_count = plan.count
                 live.sealed_sequence = plan.sequence
@@ -128,26 +162,26 @@ def stage_batch(
     store: TokenStagingStore,
     checkpoint_id: str,
     plans: list[CutPlan],
-) -> list[tuple[StagedCallRecord | None, GenerationCutPrefixAck]]:
+) -> list[tuple[StagedPrefix | None, GenerationCutPrefixAck]]:
     """Build every new cut record, stage them as one batch, and build every ack (blocking;
-    the calls' cut locks are held, so their staged records cannot change meanwhile)."""
-    built: list[tuple[CutPlan, StagedCallRecord | None]] = []
+    the calls' cut locks are held, so their staged records cannot change meanwhile). Each call
+    with a new record gets its prefix through it, to keep once the batch is durable."""
+    built: list[tuple[CutPlan, StagedPrefix | None]] = []
     entries = []
     for plan in plans:
-        record = None
+        prefix = None
         if plan.key is not None:
             record = build_cut_record(capture, plan.live, plan.count)
             entries.append(StagedEntry(staging_key=plan.key, record=record))
-        built.append((plan, record))
+            prefix = plan.live.staged.extended(record)
+        built.append((plan, prefix))
     put_entries(store, entries)
-    results = []
-    for plan, record in built:
+    results: list[tuple[StagedPrefix | None, GenerationCutPrefixAck]] = []
+    for plan, prefix in built:
         live = plan.live
-        staged = live.staged if record is None else [*live.staged, record]
         keys = live.staged_keys if plan.key is None else [*live.staged_keys, plan.key]
-        sealed = live.staged_count if record is None else plan.count
-        sequence = live.sealed_sequence if record is None else plan.sequence
-        snapshot = rebuild_generation_cut(staged)
+        sealed = live.staged_count if prefix is None else plan.count
+        sequence = live.sealed_sequence if prefix is None else plan.sequence
         ack = GenerationCutPrefixAck(
             **plan.prefix.fields(),
             disposition="durable_prefix",
@@ -155,10 +189,10 @@ def stage_batch(
             frozen_buffer_id=f"active/{checkpoint_id}/{sequence}",
             staging_keys=list(keys),
             prefix_token_count=live.continued + sealed,
-            prefix_digest=snapshot.digest,
+            prefix_digest=(live.staged if prefix is None else prefix).digest,
             effective_output_limit=live.max_tokens,
         )
-        results.append((record, ack))
+        results.append((prefix, ack))
     return results
 
 

@@ -5,8 +5,8 @@ The inference engine (:mod:`~e2e._worker.engine_api`; the deterministic one by d
 each call's tokens to the call's buffer as it produces them. A call whose continued prefix already
 finished is answered without the engine (:func:`~e2e._worker.engine_api.prefix_finish`). A cut
 round takes every listed call's buffer as it stands (decoding goes on), builds and stages the
-records of up to ``CUT_BATCH`` calls at a time as one staging batch on a worker thread, and seals a
-batch only if it became durable within the round's deadline: the first cut of a call stages the
+records of up to ``CUT_BATCH`` calls and ``CUT_BATCH_TOKENS`` new tokens at a time as one staging
+batch on a worker thread, and seals a batch only if it became durable within the round's deadline: the first cut of a call stages the
 cumulative prefix, later cuts stage only what was generated since. A call that finished before the cut arrived
 is answered from its completion evidence (a ``terminal_completion`` cut of its staged record).
 """
@@ -27,6 +27,7 @@ import anyio.to_thread
 from participants import (
     CaptureError,
     RolloutTokenCapture,
+    collector_paused,
     rebuild_generation_cut,
 )
 from protocols import (
@@ -47,7 +48,7 @@ from protocols import (
 )
 
 from .._servers.evidence import EvidenceLog
-from .cuts import Finished, LiveCall, cut_batch, terminal_ack
+from .cuts import Finished, LiveCall, cut_batch, cut_batches, terminal_ack
 from .deterministic import DeterministicEngine
 from .engine_api import (
     FinishReason,
@@ -62,8 +63,12 @@ _log = logging.getLogger(__name__)
 
 TERMINAL_EVIDENCE_SECONDS: Final = 3600.0
 CUT_BATCH: Final = 4096
-"""Calls staged per batch of a cut round: one segment (two fsyncs) each, sealed when durable, so a
-round that outlives its deadline keeps the batches that made it."""
+"""Most calls staged per batch of a cut round: one segment (two fsyncs) each, sealed when
+durable, so a round that outlives its deadline keeps the batches that made it."""
+CUT_BATCH_TOKENS: Final = 1 << 20
+"""Most tokens the new records of one batch carry (D421): at a few hundred ns of CPU a token,
+about a third of a second a batch on the project's VM, so a round of long calls that outlives
+its deadline loses one batch, not all of it."""
 
 
 class _EngineAdapter:
@@ -325,8 +330,9 @@ class WorkerEngine:
     async def cut(self, inventory: GenerationCutInventory) -> GenerationCutReceipt:
         """Make the generated prefix of every listed call durable, within the cut deadline.
 
-        The round is staged in batches (:data:`CUT_BATCH` calls per segment of the staging
-        store, so a batch costs a bounded number of fsyncs however many calls it holds); each
+        The round is staged in batches (at most :data:`CUT_BATCH` calls and
+        :data:`CUT_BATCH_TOKENS` new tokens per segment of the staging store, so a batch costs a
+        bounded number of fsyncs however many calls it holds); each
         batch is sealed once durable. A call whose batch fails or outlives the deadline is acked
         ``durable_failure``. Decoding is never paused.
         """
@@ -341,10 +347,10 @@ class WorkerEngine:
                 )
             elif live.capture_key == prefix.capture_key:
                 running.append((prefix, live))
-        with anyio.move_on_after(self.cut_timeout_ms / 1000):
+        # No full collection of every live call's tokens mid-round; the deadline ends it (D422).
+        with anyio.move_on_after(self.cut_timeout_ms / 1000), collector_paused():
             async with self._cut_round:  # rounds one after another: each call's cuts in order
-                for start in range(0, len(running), CUT_BATCH):
-                    batch = running[start : start + CUT_BATCH]
+                for batch in cut_batches(running, calls=CUT_BATCH, tokens=CUT_BATCH_TOKENS):
                     try:
                         acks.update(
                             await cut_batch(

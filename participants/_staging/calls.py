@@ -27,6 +27,7 @@ from protocols import (
     CommitCoords,
     StagedCallRecord,
     StagedEntry,
+    StagedPrefix,
     TokenStagingStore,
     compute_chain_hash,
     hash_token_ids,
@@ -178,7 +179,7 @@ class RolloutTokenCapture:
         self,
         call: ActiveCall,
         *,
-        staged: Sequence[StagedCallRecord],
+        staged: Sequence[StagedCallRecord] | StagedPrefix,
         generated_token_ids: Sequence[int],
         generated_logprobs: Sequence[float],
     ) -> StagedCallRecord:
@@ -192,13 +193,15 @@ class RolloutTokenCapture:
 
         Args:
             call: The live call.
-            staged: The call's records staged so far, in order (the first is cumulative).
+            staged: The call's records staged so far, in order (the first is cumulative); as a
+                :class:`~protocols.StagedPrefix` (:meth:`staged_prefix`), whose encoded columns
+                spare the hashes a pass over every staged token (D420).
             generated_token_ids: The new tokens, at least one.
             generated_logprobs: Their log-probs.
 
         Raises:
-            ValueError: No new tokens, unequal columns, no earlier record, or a record of another
-                call.
+            ValueError: No new tokens, unequal columns, no earlier record, a record of another
+                call, or a prefix of another parent.
         """
         generated = list(generated_token_ids)
         log_probs = list(generated_logprobs)
@@ -209,12 +212,16 @@ class RolloutTokenCapture:
         if not staged:
             raise ValueError("a chunk follows a cumulative record; stage build_prefix_record first")
         admission = call.admission
-        if any(
-            (r.rollout_id, r.model_call_id) != (call.rollout_id, call.model_call_id) for r in staged
-        ):
+        prefix = staged if isinstance(staged, StagedPrefix) else self.staged_prefix(call, staged)
+        first = prefix.records[0]
+        if (first.rollout_id, first.model_call_id) != (call.rollout_id, call.model_call_id):
             raise ValueError("a staged record belongs to another call")
-        whole = [t for record in staged for t in record.token_ids_delta] + generated
-        chain_hash, cumulative_hash = _call_hashes(call, whole)
+        if (
+            prefix.parent_chain_hash != admission.parent_chain_hash
+            or prefix.parent_token_count != len(call.prefix_token_ids)
+        ):
+            raise ValueError("the staged prefix was made for another parent")
+        chain_hash, cumulative_hash = prefix.chunk_hashes(generated)
         return record_of(
             admission,
             weight_version=call.weight_version,
@@ -223,6 +230,19 @@ class RolloutTokenCapture:
             log_probs=log_probs,
             chain_hash=chain_hash,
             cumulative_hash=cumulative_hash,
+        )
+
+    @staticmethod
+    def staged_prefix(call: ActiveCall, records: Sequence[StagedCallRecord] = ()) -> StagedPrefix:
+        """The call's staged ``records`` as one :class:`~protocols.StagedPrefix` on its parent.
+
+        Raises:
+            ValueError: The records do not form one call's prefix.
+        """
+        return StagedPrefix.of(
+            records,
+            parent_chain_hash=call.admission.parent_chain_hash,
+            prefix_token_ids=call.prefix_token_ids,
         )
 
     def complete_call(

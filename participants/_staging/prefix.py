@@ -9,8 +9,15 @@ parent). :func:`rebuild_generation_cut` joins a cut's staged records back into o
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain
 
-from protocols import CaptureAdmission, StagedCallRecord, compute_chain_hash, hash_token_ids
+from protocols import (
+    CaptureAdmission,
+    StagedCallRecord,
+    StagedPrefix,
+    compute_chain_hash,
+    hash_token_ids,
+)
 
 from .errors import CaptureError
 
@@ -28,22 +35,14 @@ def rebuild_generation_cut(records: Sequence[StagedCallRecord]) -> StagedCallRec
     """
     if not records:
         raise ValueError("a generation cut needs at least one staged record")
-    first = records[0]
+    StagedPrefix.of(records)  # the records form one call's prefix, or this raises
+    first, last = records[0], records[-1]
     if len(records) == 1:
         return first
-    identity = _identity(first)
-    for index, record in enumerate(records[1:], start=1):
-        if _identity(record) != identity:
-            raise ValueError(f"cut record {index} belongs to another call")
-        if record.generated_token_count != record.delta_len:
-            raise ValueError(f"cut record {index} holds prompt tokens; only the first may")
-        if record.extras is not None:
-            raise ValueError(f"cut record {index} carries extras; cut chunks carry none")
-        if record.weight_version < records[index - 1].weight_version:
-            raise ValueError(f"cut record {index} has an older policy version than its predecessor")
-    if first.extras is not None:
-        raise ValueError("a chunked cut's first record carries extras; cut records carry none")
-    last = records[-1]
+    joined = chain.from_iterable
+    tokens = list(joined(record.token_ids_delta for record in records))
+    masks = list(joined(record.token_mask_delta for record in records))
+    log_probs = list(joined(record.generation_log_probs_delta for record in records))
     return StagedCallRecord.from_components(
         rollout_id=first.rollout_id,
         model_call_id=first.model_call_id,
@@ -51,23 +50,11 @@ def rebuild_generation_cut(records: Sequence[StagedCallRecord]) -> StagedCallRec
         mode=first.mode,
         prev_len=first.prev_len,
         weight_version=first.weight_version,
-        token_ids_delta=[t for record in records for t in record.token_ids_delta],
-        token_mask_delta=[m for record in records for m in record.token_mask_delta],
-        generation_log_probs_delta=[
-            p for record in records for p in record.generation_log_probs_delta
-        ],
+        token_ids_delta=tokens,
+        token_mask_delta=masks,
+        generation_log_probs_delta=log_probs,
         chain_hash=last.chain_hash,
         cumulative_hash=last.cumulative_hash,
-    )
-
-
-def _identity(record: StagedCallRecord) -> tuple[str, str, str | None, str, int]:
-    return (
-        record.rollout_id,
-        record.model_call_id,
-        record.parent_call_id,
-        record.mode,
-        record.prev_len,
     )
 
 

@@ -98,7 +98,8 @@ class StagedPrefix:
 
     Args:
         parent_chain_hash: The chain hash of the call's parent; ``None`` for a root call.
-        prefix_token_ids: The call's parent tokens (``prev_len`` of them; none for a root call).
+        prefix_token_ids: The call's parent tokens (``prev_len`` of them; none for a root call),
+            kept and not copied: they must not change while the prefix is in use.
     """
 
     __slots__ = ("_columns", "_digest", "_parent", "_parent_chain_hash", "_records")

@@ -300,16 +300,6 @@ def compute_staging_digest(
         token_mask_delta=token_mask_delta,
         generation_log_probs_delta=generation_log_probs_delta,
     )
-    head = _call_head(
-        rollout_id,
-        model_call_id,
-        parent_call_id,
-        mode,
-        prev_len,
-        delta_len,
-        cum_len,
-        weight_version,
-    )
     tokens = encode_token_ids(token_ids_delta)
     masks = _encode_float32s(token_mask_delta, field="token_mask_delta")
     log_probs = _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta")
@@ -318,7 +308,8 @@ def compute_staging_digest(
     return hashlib.sha256(
         b"".join(
             (
-                head,
+                _call_identity(rollout_id, model_call_id, parent_call_id, mode),
+                _u64s(prev_len, delta_len, cum_len, weight_version),
                 _PACK_U64(len(tokens)),
                 tokens,
                 _PACK_U64(len(masks)),
@@ -331,17 +322,10 @@ def compute_staging_digest(
     ).hexdigest()
 
 
-def _call_head(
-    rollout_id: str,
-    model_call_id: str,
-    parent_call_id: str | None,
-    mode: str,
-    prev_len: int,
-    delta_len: int,
-    cum_len: int,
-    weight_version: int,
+def _call_identity(
+    rollout_id: str, model_call_id: str, parent_call_id: str | None, mode: str
 ) -> bytes:
-    """The staging digest's bytes before the three column blocks."""
+    """The staging digest's bytes before the four lengths: domain, versions, the call."""
     parent = b"\x00" if parent_call_id is None else b"\x01" + _text(parent_call_id, field="parent")
     return (
         _CALL_DIGEST_HEAD
@@ -349,17 +333,19 @@ def _call_head(
         + _text(model_call_id, field="model_call_id")
         + parent
         + _text(mode, field="mode")
-        + _u64s(prev_len, delta_len, cum_len, weight_version)
     )
 
 
 def _call_tail(extras_digest: str, chain_hash: str, cumulative_hash: str) -> bytes:
     """The staging digest's bytes after the three column blocks (``ValueError`` when a value is
     not a lowercase SHA-256 hex digest)."""
-    return (
-        _digest_bytes(extras_digest, field="extras_digest")
-        + b"\x01"
-        + _digest_bytes(chain_hash, field="chain_hash")
-        + b"\x01"
-        + _digest_bytes(cumulative_hash, field="cumulative_hash")
+    return _call_tail_of(
+        _digest_bytes(extras_digest, field="extras_digest"),
+        _digest_bytes(chain_hash, field="chain_hash"),
+        _digest_bytes(cumulative_hash, field="cumulative_hash"),
     )
+
+
+def _call_tail_of(extras_digest: bytes, chain_hash: bytes, cumulative_hash: bytes) -> bytes:
+    """``_call_tail`` of three raw digests."""
+    return extras_digest + b"\x01" + chain_hash + b"\x01" + cumulative_hash

@@ -23,15 +23,17 @@ from ._hashes import (
     CHAIN_HASH_DOMAIN,
     CUMULATIVE_HASH_DOMAIN,
     EMPTY_EXTRAS_DIGEST,
-    _call_head,
-    _call_tail,
+    _call_identity,
+    _call_tail_of,
     _digest_bytes,
+    _u64s,
     encode_float32_elements,
     encode_token_elements,
 )
 from ._layout import check_lineage
 from ._staging import StagedCallRecord
 
+_EMPTY_EXTRAS: Final = bytes.fromhex(EMPTY_EXTRAS_DIGEST)
 _U64_BYTES: Final = 8
 _F32_BYTES: Final = 4
 
@@ -62,15 +64,16 @@ class _Columns:
         return self._masks, self._log_probs
 
 
-class _Parent:
-    """The call's parent tokens, encoded on first use (a child call's cumulative hash covers
-    them)."""
+class _Call:
+    """What every prefix of one call shares: its parent tokens, encoded on first use (a child
+    call's cumulative hash covers them), and the staging digest's identity bytes."""
 
-    __slots__ = ("_elements", "token_ids")
+    __slots__ = ("_elements", "identity", "token_ids")
 
     def __init__(self, token_ids: Sequence[int]) -> None:
         self.token_ids = token_ids
         self._elements: bytes | None = None
+        self.identity: bytes | None = None
 
     def elements(self) -> bytes:
         if self._elements is None:
@@ -102,7 +105,7 @@ class StagedPrefix:
             kept and not copied: they must not change while the prefix is in use.
     """
 
-    __slots__ = ("_columns", "_digest", "_parent", "_parent_chain_hash", "_records")
+    __slots__ = ("_call", "_columns", "_digest", "_parent_chain_hash", "_records")
 
     def __init__(
         self, *, parent_chain_hash: str | None = None, prefix_token_ids: Sequence[int] = ()
@@ -110,7 +113,7 @@ class StagedPrefix:
         if parent_chain_hash is not None:
             _digest_bytes(parent_chain_hash, field="parent_chain_hash")
         self._parent_chain_hash = parent_chain_hash
-        self._parent = _Parent(prefix_token_ids)
+        self._call = _Call(prefix_token_ids)
         self._records: tuple[StagedCallRecord, ...] = ()
         self._columns: tuple[_Columns, ...] = ()
         self._digest: str | None = None
@@ -146,7 +149,7 @@ class StagedPrefix:
     @property
     def parent_token_count(self) -> int:
         """How many parent tokens the call's cumulative hash starts with."""
-        return len(self._parent.token_ids)
+        return len(self._call.token_ids)
 
     @property
     def token_count(self) -> int:
@@ -184,7 +187,7 @@ class StagedPrefix:
                 )
         longer = StagedPrefix.__new__(StagedPrefix)
         longer._parent_chain_hash = self._parent_chain_hash
-        longer._parent = self._parent
+        longer._call = self._call
         longer._records = (*records, record)
         longer._columns = (*self._columns, _Columns(record))
         longer._digest = None
@@ -212,18 +215,13 @@ class StagedPrefix:
         check_lineage(
             first.parent_call_id, first.mode, first.prev_len, count, first.prev_len + count
         )
-        digest = hashlib.sha256(
-            _call_head(
-                first.rollout_id,
-                first.model_call_id,
-                first.parent_call_id,
-                first.mode,
-                first.prev_len,
-                count,
-                first.prev_len + count,
-                first.weight_version,
+        call = self._call
+        if call.identity is None:
+            call.identity = _call_identity(
+                first.rollout_id, first.model_call_id, first.parent_call_id, first.mode
             )
-        )
+        digest = hashlib.sha256(call.identity)
+        digest.update(_u64s(first.prev_len, count, first.prev_len + count, first.weight_version))
         pairs = [columns.masks_and_log_probs() for columns in self._columns]
         for width, parts in (
             (_U64_BYTES, [columns.tokens() for columns in self._columns]),
@@ -234,7 +232,12 @@ class StagedPrefix:
             digest.update(_PACK_U64(_U64_BYTES + width * count) + _PACK_U64(count))
             for part in parts:
                 digest.update(part)
-        digest.update(_call_tail(EMPTY_EXTRAS_DIGEST, last.chain_hash, last.cumulative_hash))
+        # The records' digests were checked when they were built or read: no pattern match here.
+        digest.update(
+            _call_tail_of(
+                _EMPTY_EXTRAS, bytes.fromhex(last.chain_hash), bytes.fromhex(last.cumulative_hash)
+            )
+        )
         return digest.hexdigest()
 
     def chunk_hashes(self, token_ids: Sequence[int]) -> tuple[str, str]:
@@ -256,8 +259,8 @@ class StagedPrefix:
         cumulative = hashlib.sha256(
             CUMULATIVE_HASH_DOMAIN + _PACK_U64(self.parent_token_count + count)
         )
-        if self._parent.token_ids:
-            cumulative.update(self._parent.elements())
+        if self._call.token_ids:
+            cumulative.update(self._call.elements())
         for part in parts:
             chain.update(part)
             cumulative.update(part)

@@ -46,6 +46,7 @@ _CALL_DIGEST_HEAD: Final = CALL_DIGEST_DOMAIN + bytes(
     (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
 )
 """The digest's domain and version bytes: a call passes only these versions."""
+_ROOT_CHAIN_HEAD: Final = CHAIN_HASH_DOMAIN + b"\x00"
 
 _U64_MAX: Final = 2**64 - 1
 _DIGEST = re.compile(SHA256_HEX_PATTERN)
@@ -187,13 +188,17 @@ def compute_chain_hash(parent_chain_hash: str | None, token_ids_delta: Sequence[
     Raises:
         ValueError: The parent is not a digest or a token id is out of range.
     """
-    if parent_chain_hash is None:
-        parent = b"\x00"
-    else:
-        parent = b"\x01" + _digest_bytes(parent_chain_hash, field="parent_chain_hash")
     return hashlib.sha256(
-        CHAIN_HASH_DOMAIN + parent + encode_token_ids(token_ids_delta)
+        _chain_head(parent_chain_hash) + encode_token_ids(token_ids_delta)
     ).hexdigest()
+
+
+def _chain_head(parent_chain_hash: str | None) -> bytes:
+    """A chain hash's bytes before its token block: the domain, then ``0x00`` for a root or
+    ``0x01`` and the parent's 32 bytes (``ValueError`` when the parent is not a digest)."""
+    if parent_chain_hash is None:
+        return _ROOT_CHAIN_HEAD
+    return CHAIN_HASH_DOMAIN + b"\x01" + _digest_bytes(parent_chain_hash, field="parent_chain_hash")
 
 
 def root_call_hashes(token_ids: Sequence[int]) -> tuple[str, str]:
@@ -206,7 +211,7 @@ def root_call_hashes(token_ids: Sequence[int]) -> tuple[str, str]:
         ValueError: A token id is out of range.
     """
     block = encode_token_ids(token_ids)
-    chain = hashlib.sha256(CHAIN_HASH_DOMAIN + b"\x00" + block).hexdigest()
+    chain = hashlib.sha256(_ROOT_CHAIN_HEAD + block).hexdigest()
     return chain, hashlib.sha256(CUMULATIVE_HASH_DOMAIN + block).hexdigest()
 
 

@@ -20,12 +20,11 @@ from typing import Final
 
 from ._hashes import (
     _PACK_U64,
-    CHAIN_HASH_DOMAIN,
     CUMULATIVE_HASH_DOMAIN,
     EMPTY_EXTRAS_DIGEST,
     _call_identity,
     _call_tail_of,
-    _digest_bytes,
+    _chain_head,
     _u64s,
     encode_float32_elements,
     encode_token_elements,
@@ -66,12 +65,14 @@ class _Columns:
 
 class _Call:
     """What every prefix of one call shares: its parent tokens, encoded on first use (a child
-    call's cumulative hash covers them), and the staging digest's identity bytes."""
+    call's cumulative hash covers them), its chain hashes' head, and the staging digest's
+    identity bytes."""
 
-    __slots__ = ("_elements", "identity", "token_ids")
+    __slots__ = ("_elements", "chain_head", "identity", "token_ids")
 
-    def __init__(self, token_ids: Sequence[int]) -> None:
+    def __init__(self, token_ids: Sequence[int], chain_head: bytes) -> None:
         self.token_ids = token_ids
+        self.chain_head = chain_head
         self._elements: bytes | None = None
         self.identity: bytes | None = None
 
@@ -110,10 +111,8 @@ class StagedPrefix:
     def __init__(
         self, *, parent_chain_hash: str | None = None, prefix_token_ids: Sequence[int] = ()
     ) -> None:
-        if parent_chain_hash is not None:
-            _digest_bytes(parent_chain_hash, field="parent_chain_hash")
         self._parent_chain_hash = parent_chain_hash
-        self._call = _Call(prefix_token_ids)
+        self._call = _Call(prefix_token_ids, _chain_head(parent_chain_hash))
         self._records: tuple[StagedCallRecord, ...] = ()
         self._columns: tuple[_Columns, ...] = ()
         self._digest: str | None = None
@@ -251,11 +250,7 @@ class StagedPrefix:
         parts = [columns.tokens() for columns in self._columns]
         parts.append(encode_token_elements(token_ids))
         count = self.token_count + len(token_ids)
-        if self._parent_chain_hash is None:
-            parent = b"\x00"
-        else:
-            parent = b"\x01" + bytes.fromhex(self._parent_chain_hash)
-        chain = hashlib.sha256(CHAIN_HASH_DOMAIN + parent + _PACK_U64(count))
+        chain = hashlib.sha256(self._call.chain_head + _PACK_U64(count))
         cumulative = hashlib.sha256(
             CUMULATIVE_HASH_DOMAIN + _PACK_U64(self.parent_token_count + count)
         )

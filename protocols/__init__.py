@@ -133,6 +133,7 @@ from ._staged_prefix import StagedPrefix
 from ._staging import (
     CaptureAdmission,
     CommitCoords,
+    EncodedColumns,
     StagedCallRecord,
     StagedEntry,
     TokenStagingStore,
@@ -247,6 +248,7 @@ __all__ = [
     "CompletionReply",
     "CompletionRequest",
     "DeadlineExceededError",
+    "EncodedColumns",
     "EpisodeId",
     "ErrorEnvelope",
     "ForgetReply",

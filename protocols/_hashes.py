@@ -5,8 +5,9 @@ Four digests bind staged token data to the token-free capture ledger:
 - the **cumulative hash** of an exact token sequence (``hash_token_ids``);
 - the **chain hash** of a call's delta on top of its parent's chain hash (``compute_chain_hash``),
   so ``chain_N = H(chain_{N-1} || delta_N)`` proves continuity without materializing tokens;
-- the **extras digest** of a call's optional extras (``compute_extras_digest``), a typed binary
-  encoding rather than JSON so that runtimes cannot disagree;
+- the **extras digest** of a call's optional extras (``compute_extras_digest``, in
+  ``protocols._extras_digest``), a typed binary encoding rather than JSON so that runtimes cannot
+  disagree;
 - the **staging digest v2** of a whole staged call (``compute_staging_digest``).
 
 Layouts (every length is a u64 big-endian *byte* count unless it says elements):
@@ -26,8 +27,8 @@ import hashlib
 import math
 import re
 import struct
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Final
 
 from ._layout import check_staged_layout
 from ._records import SHA256_HEX_PATTERN
@@ -39,7 +40,6 @@ from ._strict import (
 )
 
 CALL_DIGEST_DOMAIN: Final = b"nemo-gym-staging-call-v2"
-EXTRAS_DIGEST_DOMAIN: Final = b"nemo-gym-staging-extras-v1"
 CUMULATIVE_HASH_DOMAIN: Final = b"nemo-gym-staging-prefix-v2"
 CHAIN_HASH_DOMAIN: Final = b"nemo-gym-staging-chain-v1"
 _CALL_DIGEST_HEAD: Final = CALL_DIGEST_DOMAIN + bytes(
@@ -63,7 +63,10 @@ def _u64(value: int, *, field: str) -> bytes:
 
 
 _PACK_U64: Final = struct.Struct(">Q").pack
+_PACK_2U64: Final = struct.Struct(">2Q").pack
 _PACK_4U64: Final = struct.Struct(">4Q").pack
+_COUNT_BYTES: Final = 8
+"""A token or float block's leading u64 element count."""
 _LENGTH_FIELDS: Final = ("prev_len", "delta_len", "cum_len", "weight_version")
 
 
@@ -128,23 +131,6 @@ def _refuse_bad_ids(token_ids: Sequence[int]) -> None:
             raise ValueError(f"a token id must be an unsigned 64-bit integer, got {token_id!r}")
 
 
-def _encode_float32s(values: Sequence[float], *, field: str) -> bytes:
-    count = len(values)
-    if EXACT_FLOAT_TYPES.issuperset(map(type, values)):
-        try:
-            block = struct.pack(f">Q{count}f", count, *values)
-        except OverflowError:
-            pass  # named below
-        else:
-            # Packing refuses a finite value that float32 would round to an infinity, so the
-            # block holds an infinity or a NaN only where the input does. And the sum of values
-            # within float32's range cannot overflow a float64: it is finite exactly when every
-            # value is. No need to read the block back (D351).
-            if math.isfinite(sum(values)):
-                return block
-    return _PACK_U64(count) + _checked_float32s(values, field=field)
-
-
 def encode_float32_elements(values: Sequence[float], *, field: str) -> bytes:
     """Each value as float32 big-endian: a float block without its leading count.
 
@@ -158,7 +144,11 @@ def encode_float32_elements(values: Sequence[float], *, field: str) -> bytes:
         except OverflowError:
             pass  # named below
         else:
-            if math.isfinite(sum(values)):  # as in _encode_float32s (D351)
+            # Packing refuses a finite value that float32 would round to an infinity, so the
+            # block holds an infinity or a NaN only where the input does. And the sum of values
+            # within float32's range cannot overflow a float64: it is finite exactly when every
+            # value is. No need to read the block back (D351).
+            if math.isfinite(sum(values)):
                 return block
     return _checked_float32s(values, field=field)
 
@@ -215,54 +205,6 @@ def root_call_hashes(token_ids: Sequence[int]) -> tuple[str, str]:
     return chain, hashlib.sha256(CUMULATIVE_HASH_DOMAIN + block).hexdigest()
 
 
-def _encode_extra(value: Any) -> bytes:
-    # Exact types only: a numpy scalar, a tuple or bytes must not silently pick an encoding.
-    if value is None:
-        return b"N"
-    if type(value) is bool:
-        return b"B\x01" if value else b"B\x00"
-    if type(value) is int:
-        if not -(2**63) <= value < 2**63:
-            raise ValueError(f"an extras integer is outside the signed 64-bit range: {value}")
-        return b"I" + struct.pack(">q", value)
-    if type(value) is float:
-        if not math.isfinite(value):
-            raise ValueError(f"extras floats must be finite, got {value!r}")
-        return b"F" + struct.pack(">d", value)
-    if type(value) is str:
-        return b"S" + _text(value, field="extras text")
-    if type(value) is list:
-        return b"L" + struct.pack(">Q", len(value)) + b"".join(map(_encode_extra, value))
-    if type(value) is dict:
-        if any(type(key) is not str for key in value):
-            raise TypeError("extras mappings must have string keys")
-        keys = sorted(value, key=lambda key: key.encode("utf-8"))
-        return (
-            b"D"
-            + struct.pack(">Q", len(keys))
-            + b"".join(_text(key, field="extras key") + _encode_extra(value[key]) for key in keys)
-        )
-    raise TypeError(f"extras cannot hold a {type(value).__name__}")
-
-
-def compute_extras_digest(extras: Mapping[str, Any] | None) -> str:
-    """The extras digest: domain, version byte 1, then the typed encoding of the mapping or ``None``.
-
-    Raises:
-        TypeError: A value has a type the encoding does not support.
-        ValueError: An integer leaves the i64 range or a float is not finite.
-    """
-    if extras is not None and not isinstance(extras, Mapping):
-        raise TypeError(f"extras must be a mapping or None, got {type(extras).__name__}")
-    normalized = None if extras is None else dict(extras)
-    payload = bytes([EXTRAS_DIGEST_VERSION]) + _encode_extra(normalized)
-    return hashlib.sha256(EXTRAS_DIGEST_DOMAIN + payload).hexdigest()
-
-
-EMPTY_EXTRAS_DIGEST: Final = compute_extras_digest(None)
-"""The extras digest of a call without extras."""
-
-
 def compute_staging_digest(
     *,
     schema_version: int,
@@ -289,6 +231,54 @@ def compute_staging_digest(
         ValueError: A version is unsupported, a rule of :func:`check_staged_layout` is broken, an
             identifier is empty, or a value cannot be encoded.
     """
+    return _staging_digest_blocks(
+        schema_version=schema_version,
+        digest_version=digest_version,
+        extras_digest_version=extras_digest_version,
+        rollout_id=rollout_id,
+        model_call_id=model_call_id,
+        parent_call_id=parent_call_id,
+        mode=mode,
+        prev_len=prev_len,
+        delta_len=delta_len,
+        cum_len=cum_len,
+        weight_version=weight_version,
+        token_ids_delta=token_ids_delta,
+        token_mask_delta=token_mask_delta,
+        generation_log_probs_delta=generation_log_probs_delta,
+        extras_digest=extras_digest,
+        chain_hash=chain_hash,
+        cumulative_hash=cumulative_hash,
+    )[0]
+
+
+def _staging_digest_blocks(
+    *,
+    schema_version: int,
+    digest_version: int,
+    extras_digest_version: int,
+    rollout_id: str,
+    model_call_id: str,
+    parent_call_id: str | None,
+    mode: str,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+    token_ids_delta: Sequence[int],
+    token_mask_delta: Sequence[float],
+    generation_log_probs_delta: Sequence[float],
+    extras_digest: str,
+    chain_hash: str,
+    cumulative_hash: str,
+    token_elements: bytes | None = None,
+) -> tuple[str, bytes, bytes, bytes]:
+    """``compute_staging_digest``, and the token, mask and log-prob elements it hashed (each
+    column's block without its leading count; D423).
+
+    ``token_elements``, when given, must be ``encode_token_elements(token_ids_delta)`` of the
+    same list (its ids were checked as it was made): the token block is then not encoded again.
+    """
     versions = (schema_version, digest_version, extras_digest_version)
     expected = (STAGING_SCHEMA_VERSION, STAGING_DIGEST_VERSION, EXTRAS_DIGEST_VERSION)
     if any(type(v) is not int for v in versions) or versions != expected:
@@ -305,26 +295,31 @@ def compute_staging_digest(
         token_mask_delta=token_mask_delta,
         generation_log_probs_delta=generation_log_probs_delta,
     )
-    tokens = encode_token_ids(token_ids_delta)
-    masks = _encode_float32s(token_mask_delta, field="token_mask_delta")
-    log_probs = _encode_float32s(generation_log_probs_delta, field="generation_log_probs_delta")
+    tokens = encode_token_elements(token_ids_delta) if token_elements is None else token_elements
+    masks = encode_float32_elements(token_mask_delta, field="token_mask_delta")
+    log_probs = encode_float32_elements(
+        generation_log_probs_delta, field="generation_log_probs_delta"
+    )
+    count = delta_len  # check_staged_layout: every column holds delta_len elements
+    floats_head = _PACK_2U64(_COUNT_BYTES + 4 * count, count)
     # One buffer hashed once: the bytes an update per part would feed, for less Python a call.
-    # Each block is double-prefixed: its byte length, then the block (which starts with its count).
-    return hashlib.sha256(
+    # Each block is double-prefixed: its byte length, then its element count and its elements.
+    digest = hashlib.sha256(
         b"".join(
             (
                 _call_identity(rollout_id, model_call_id, parent_call_id, mode),
                 _u64s(prev_len, delta_len, cum_len, weight_version),
-                _PACK_U64(len(tokens)),
+                _PACK_2U64(_COUNT_BYTES + 8 * count, count),
                 tokens,
-                _PACK_U64(len(masks)),
+                floats_head,
                 masks,
-                _PACK_U64(len(log_probs)),
+                floats_head,
                 log_probs,
                 _call_tail(extras_digest, chain_hash, cumulative_hash),
             )
         )
     ).hexdigest()
+    return digest, tokens, masks, log_probs
 
 
 def _call_identity(

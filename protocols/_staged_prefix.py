@@ -18,10 +18,10 @@ import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Final
 
+from ._extras_digest import EMPTY_EXTRAS_DIGEST
 from ._hashes import (
     _PACK_U64,
     CUMULATIVE_HASH_DOMAIN,
-    EMPTY_EXTRAS_DIGEST,
     _call_identity,
     _call_tail_of,
     _chain_head,
@@ -30,7 +30,7 @@ from ._hashes import (
     encode_token_elements,
 )
 from ._layout import check_lineage
-from ._staging import StagedCallRecord
+from ._staging import CaptureMode, EncodedColumns, StagedCallRecord
 
 _EMPTY_EXTRAS: Final = bytes.fromhex(EMPTY_EXTRAS_DIGEST)
 _U64_BYTES: Final = 8
@@ -42,11 +42,20 @@ class _Columns:
 
     __slots__ = ("_log_probs", "_masks", "_record", "_tokens")
 
-    def __init__(self, record: StagedCallRecord) -> None:
+    def __init__(self, record: StagedCallRecord, encoded: EncodedColumns | None = None) -> None:
         self._record = record
         self._tokens: bytes | None = None
         self._masks: bytes | None = None
         self._log_probs: bytes | None = None
+        if encoded is not None:
+            count = record.delta_len
+            if (len(encoded.tokens), len(encoded.masks), len(encoded.log_probs)) != (
+                _U64_BYTES * count,
+                _F32_BYTES * count,
+                _F32_BYTES * count,
+            ):
+                raise ValueError("the encoded columns do not hold the record's delta")
+            self._tokens, self._masks, self._log_probs = encoded
 
     def tokens(self) -> bytes:
         if self._tokens is None:
@@ -158,12 +167,21 @@ class StagedPrefix:
     def __len__(self) -> int:
         return len(self._records)
 
-    def extended(self, record: StagedCallRecord) -> StagedPrefix:
+    def extended(
+        self, record: StagedCallRecord, columns: EncodedColumns | None = None
+    ) -> StagedPrefix:
         """This prefix followed by ``record``, which must continue it: the same call, only
         generated tokens (a chunk), no extras, a policy version not older than the last.
 
+        Args:
+            record: The next record.
+            columns: The record's columns as its digest encoded them
+                (:meth:`StagedCallRecord.encoded_from_components`); encoded when first needed
+                if left out.
+
         Raises:
-            ValueError: ``record`` does not continue this prefix.
+            ValueError: ``record`` does not continue this prefix, or ``columns`` do not hold
+                its delta.
         """
         records = self._records
         if records:
@@ -188,7 +206,7 @@ class StagedPrefix:
         longer._parent_chain_hash = self._parent_chain_hash
         longer._call = self._call
         longer._records = (*records, record)
-        longer._columns = (*self._columns, _Columns(record))
+        longer._columns = (*self._columns, _Columns(record, columns))
         longer._digest = None
         return longer
 
@@ -239,6 +257,49 @@ class StagedPrefix:
         )
         return digest.hexdigest()
 
+    def next_record(
+        self,
+        *,
+        rollout_id: str,
+        model_call_id: str,
+        parent_call_id: str | None,
+        mode: CaptureMode,
+        prev_len: int,
+        weight_version: int,
+        token_ids: Sequence[int],
+        token_masks: Sequence[float],
+        log_probs: Sequence[float],
+    ) -> StagedPrefix:
+        """This prefix extended by the call's next record, built from its columns: the first
+        record of a call when the prefix is empty, else a chunk.
+
+        The record's chain and cumulative hashes are those through it (:meth:`chunk_hashes`,
+        which on an empty prefix are the call's own: its delta on its parent), and its digest,
+        its hashes and every later digest of the prefix share one encoding of each column (D423).
+        The new record is ``records[-1]`` of the answer.
+
+        Raises:
+            ValueError: A column cannot be encoded, the record breaks a staging rule, or it does
+                not continue this prefix (:meth:`extended`).
+        """
+        elements = encode_token_elements(token_ids)
+        chain_hash, cumulative_hash = self._hashes_through(elements)
+        record, columns = StagedCallRecord.encoded_from_components(
+            rollout_id=rollout_id,
+            model_call_id=model_call_id,
+            parent_call_id=parent_call_id,
+            mode=mode,
+            prev_len=prev_len,
+            weight_version=weight_version,
+            token_ids_delta=token_ids,
+            token_mask_delta=token_masks,
+            generation_log_probs_delta=log_probs,
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
+            token_elements=elements,
+        )
+        return self.extended(record, columns)
+
     def chunk_hashes(self, token_ids: Sequence[int]) -> tuple[str, str]:
         """The chain and cumulative hashes of the staged tokens followed by ``token_ids``: the
         hashes of the next chunk, ``compute_chain_hash(parent_chain_hash, staged + token_ids)``
@@ -247,16 +308,19 @@ class StagedPrefix:
         Raises:
             ValueError: A token id is out of range.
         """
-        parts = [columns.tokens() for columns in self._columns]
-        parts.append(encode_token_elements(token_ids))
-        count = self.token_count + len(token_ids)
-        chain = hashlib.sha256(self._call.chain_head + _PACK_U64(count))
+        return self._hashes_through(encode_token_elements(token_ids))
+
+    def _hashes_through(self, elements: bytes) -> tuple[str, str]:
+        """``chunk_hashes`` of tokens whose elements are already encoded."""
+        columns = self._columns
+        tokens = b"".join([*(c.tokens() for c in columns), elements]) if columns else elements
+        count = len(tokens) // _U64_BYTES
+        call = self._call
+        parent = call.elements() if call.token_ids else b""
+        chain = hashlib.sha256(b"".join((call.chain_head, _PACK_U64(count), tokens)))
         cumulative = hashlib.sha256(
-            CUMULATIVE_HASH_DOMAIN + _PACK_U64(self.parent_token_count + count)
+            b"".join(
+                (CUMULATIVE_HASH_DOMAIN, _PACK_U64(len(call.token_ids) + count), parent, tokens)
+            )
         )
-        if self._call.token_ids:
-            cumulative.update(self._call.elements())
-        for part in parts:
-            chain.update(part)
-            cumulative.update(part)
         return chain.hexdigest(), cumulative.hexdigest()

@@ -10,16 +10,13 @@ staging digest) in a :class:`TokenStagingStore`, and answers :class:`CommitCoord
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, Literal, Protocol, Self, TypeVar
+from typing import Any, Final, Literal, NamedTuple, Protocol, Self, TypeVar
 
 from pydantic import Field, ModelWrapValidatorHandler, ValidationInfo, model_validator
 
 from ._cuts import GenerationCutContinuation
-from ._hashes import (
-    EMPTY_EXTRAS_DIGEST,
-    compute_extras_digest,
-    compute_staging_digest,
-)
+from ._extras_digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
+from ._hashes import _staging_digest_blocks
 from ._strict import (
     EXTRAS_DIGEST_VERSION,
     STAGING_DIGEST_VERSION,
@@ -101,6 +98,15 @@ class CaptureAdmission(StagingWireModel):
         return self
 
 
+class EncodedColumns(NamedTuple):
+    """A staged record's three columns as its staging digest encodes them, without the blocks'
+    leading counts: each token id a u64, each mask and log-prob a float32, big-endian."""
+
+    tokens: bytes
+    masks: bytes
+    log_probs: bytes
+
+
 class StagedCallRecord(DigestWireModel):
     """One staged token delta of a call, bound by its staging digest.
 
@@ -168,6 +174,52 @@ class StagedCallRecord(DigestWireModel):
                 ``ValidationError`` is a ``ValueError``).
             TypeError: The extras hold an unsupported type.
         """
+        return cls.encoded_from_components(
+            rollout_id=rollout_id,
+            model_call_id=model_call_id,
+            parent_call_id=parent_call_id,
+            mode=mode,
+            prev_len=prev_len,
+            weight_version=weight_version,
+            token_ids_delta=token_ids_delta,
+            token_mask_delta=token_mask_delta,
+            generation_log_probs_delta=generation_log_probs_delta,
+            chain_hash=chain_hash,
+            cumulative_hash=cumulative_hash,
+            extras=extras,
+        )[0]
+
+    @classmethod
+    def encoded_from_components(
+        cls,
+        *,
+        rollout_id: str,
+        model_call_id: str,
+        parent_call_id: str | None,
+        mode: CaptureMode,
+        prev_len: int,
+        weight_version: int,
+        token_ids_delta: Sequence[int],
+        token_mask_delta: Sequence[float],
+        generation_log_probs_delta: Sequence[float],
+        chain_hash: str,
+        cumulative_hash: str,
+        extras: dict[str, Any] | None = None,
+        token_elements: bytes | None = None,
+    ) -> tuple[Self, EncodedColumns]:
+        """:meth:`from_components`, and the record's columns as its staging digest encoded them.
+
+        A :class:`~protocols.StagedPrefix` hashes those bytes again in every later cut round of
+        the call; handed over here, no column is encoded twice (D423).
+
+        Args:
+            token_elements: ``encode_token_elements(token_ids_delta)`` when the caller made it
+                already (for the record's chain and cumulative hashes): not encoded again.
+
+        Raises:
+            ValueError: As :meth:`from_components`.
+            TypeError: As :meth:`from_components`.
+        """
         tokens = list(token_ids_delta)
         fields: dict[str, Any] = {  # in the order of the model's fields, as pydantic keeps them
             "schema_version": STAGING_SCHEMA_VERSION,
@@ -190,14 +242,19 @@ class StagedCallRecord(DigestWireModel):
             "cumulative_hash": cumulative_hash,
             "extras": extras,
         }
-        fields["digest"] = _staging_digest_of(fields)
+        digest, *elements = _staging_digest_blocks(
+            **{name: fields[name] for name in _DIGEST_FIELDS}, token_elements=token_elements
+        )
+        fields["digest"] = digest
+        columns = EncodedColumns(*elements)
         if extras is None or type(extras) is dict:
             # Computing the two digests checked every field as strictly as validation would
             # (exact types, ranges, lengths, digest patterns, the structural rules; D346), so
             # the record is built without a second pass. A test pins the two paths together.
             fields["extras"] = None if extras is None else dict(extras)  # as validation copies
-            return _trusted(cls, fields)
-        return cls.model_validate(fields, context={_CONTEXT_KEY: _DIGEST_JUST_COMPUTED})
+            return _trusted(cls, fields), columns
+        record = cls.model_validate(fields, context={_CONTEXT_KEY: _DIGEST_JUST_COMPUTED})
+        return record, columns
 
     @property
     def generated_token_count(self) -> int:
@@ -242,7 +299,7 @@ _DIGEST_FIELDS: Final = (
 
 def _staging_digest_of(values: Mapping[str, Any]) -> str:
     """The staging digest of a record's fields (the digest itself and the extras excluded)."""
-    return compute_staging_digest(**{name: values[name] for name in _DIGEST_FIELDS})
+    return _staging_digest_blocks(**{name: values[name] for name in _DIGEST_FIELDS})[0]
 
 
 class CommitCoords(DigestWireModel):

@@ -28,7 +28,7 @@ PUBLIC = {
         "is_object_store_url", "key_under", "make_directory_durable", "open_store",
         "split_s3_url", "store_key", "write_file_durably",
         "CheckpointError", "CheckpointOpenError", "CheckpointRequest", "CommitCoords",
-        "CommitReply", "CommitRequest", "CompletionReply", "CompletionRequest",
+        "CommitReply", "CommitRequest", "CompletionReply", "CompletionRequest", "EncodedColumns",
         "DeadlineExceededError", "EpisodeId", "ErrorEnvelope", "ForgetReply",
         "ForgetRequest", "GenerationCutInventory", "GenerationCutPrefix",
         "GenerationCutPrefixAck", "GenerationCutReceipt", "GenerationCutRecord",

@@ -24,7 +24,6 @@ from protocols import (
     CommitCoords,
     GenerationCutPrefix,
     GenerationCutPrefixAck,
-    StagedCallRecord,
     StagedEntry,
     StagedPrefix,
     TokenStagingStore,
@@ -171,9 +170,8 @@ def stage_batch(
     for plan in plans:
         prefix = None
         if plan.key is not None:
-            record = build_cut_record(capture, plan.live, plan.count)
-            entries.append(StagedEntry(staging_key=plan.key, record=record))
-            prefix = plan.live.staged.extended(record)
+            prefix = build_cut_prefix(capture, plan.live, plan.count)
+            entries.append(StagedEntry(staging_key=plan.key, record=prefix.records[-1]))
         built.append((plan, prefix))
     put_entries(store, entries)
     results: list[tuple[StagedPrefix | None, GenerationCutPrefixAck]] = []
@@ -196,22 +194,15 @@ def stage_batch(
     return results
 
 
-def build_cut_record(capture: RolloutTokenCapture, live: LiveCall, count: int) -> StagedCallRecord:
-    """The next cut record of a live call: the cumulative prefix first, then chunks."""
-    generated = live.generated[:count]
-    log_probs = live.log_probs[:count]
-    if not live.staged:
-        return capture.build_prefix_record(
-            live.call,
-            prompt_token_ids=live.engine_prompt,
-            generated_token_ids=generated,
-            generated_logprobs=log_probs,
-        )
-    return capture.build_generation_chunk_record(
+def build_cut_prefix(capture: RolloutTokenCapture, live: LiveCall, count: int) -> StagedPrefix:
+    """The call's staged prefix extended by its next cut record (the cumulative record first,
+    then chunks of what was generated since), each column encoded once (D423)."""
+    return capture.build_cut(
         live.call,
-        staged=live.staged,
-        generated_token_ids=generated[live.staged_count :],
-        generated_logprobs=log_probs[live.staged_count :],
+        live.staged,
+        prompt_token_ids=live.engine_prompt,
+        generated_token_ids=live.generated[live.staged_count : count],
+        generated_logprobs=live.log_probs[live.staged_count : count],
     )
 
 

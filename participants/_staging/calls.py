@@ -35,6 +35,7 @@ from protocols import (
     staging_key,
 )
 
+from .cut_records import build_cut, check_prefix_of, first_columns
 from .errors import CaptureError, StreamingUnsupportedError
 from .prefix import check_generation_cut, resolve_prefix
 from .records import ActiveCall, CaptureAdapter, failed_coords, record_of
@@ -143,25 +144,9 @@ class RolloutTokenCapture:
                 disagree, or the record breaks a staging rule.
         """
         admission = call.admission
-        prompt = list(prompt_token_ids)
-        generated = list(generated_token_ids)
-        log_probs = list(generated_logprobs)
-        if len(generated) != len(log_probs):
-            raise ValueError("generated token ids and log-probs must have equal lengths")
-        if prompt[: admission.prev_len] != call.prefix_token_ids:
-            raise ValueError("the prompt does not start with the authorized token prefix")
-        cut = call.generation_cut
-        if cut is None:
-            carried = prompt[admission.prev_len :]
-            tokens = carried + generated
-            masks = [0.0] * len(carried) + [1.0] * len(generated)
-            delta_log_probs = [0.0] * len(carried) + log_probs
-        else:
-            if prompt != call.prefix_token_ids + cut.token_ids_delta:
-                raise ValueError("the prompt is not the prefix followed by the cut's tokens")
-            tokens = cut.token_ids_delta + generated
-            masks = cut.token_mask_delta + [1.0] * len(generated)
-            delta_log_probs = cut.generation_log_probs_delta + log_probs
+        tokens, masks, delta_log_probs = first_columns(
+            call, prompt_token_ids, generated_token_ids, generated_logprobs
+        )
         # The prompt was checked to be the prefix and then the delta's own prompt tokens.
         chain_hash, cumulative_hash = _call_hashes(call, tokens)
         return record_of(
@@ -213,14 +198,7 @@ class RolloutTokenCapture:
             raise ValueError("a chunk follows a cumulative record; stage build_prefix_record first")
         admission = call.admission
         prefix = staged if isinstance(staged, StagedPrefix) else self.staged_prefix(call, staged)
-        first = prefix.records[0]
-        if (first.rollout_id, first.model_call_id) != (call.rollout_id, call.model_call_id):
-            raise ValueError("a staged record belongs to another call")
-        if (
-            prefix.parent_chain_hash != admission.parent_chain_hash
-            or prefix.parent_token_count != len(call.prefix_token_ids)
-        ):
-            raise ValueError("the staged prefix was made for another parent")
+        check_prefix_of(call, prefix)
         chain_hash, cumulative_hash = prefix.chunk_hashes(generated)
         return record_of(
             admission,
@@ -231,6 +209,9 @@ class RolloutTokenCapture:
             chain_hash=chain_hash,
             cumulative_hash=cumulative_hash,
         )
+
+    build_cut = staticmethod(build_cut)
+    """:func:`build_cut`: the call's next cut record on its staged prefix (D423)."""
 
     @staticmethod
     def staged_prefix(call: ActiveCall, records: Sequence[StagedCallRecord] = ()) -> StagedPrefix:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import e2e._worker.engine as engine_module
+import protocols._hashes as hashes_module
 import protocols._staged_prefix as staged_prefix_module
 from e2e._bench.cuts import _inventory, _live_calls, run_cuts_bench
 from e2e._servers.evidence import EvidenceLog
@@ -106,41 +108,48 @@ async def test_the_collector_is_off_while_a_round_stages_and_on_after(tmp_path: 
     assert gc.isenabled()
 
 
-async def test_later_rounds_encode_only_the_tokens_generated_since(
+async def test_every_round_encodes_each_new_token_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """D420, D423: a round encodes the tokens it stages once, for their hashes, their record's
+    digest and every later digest of the prefix; masks and log-probs are never encoded again."""
     encoded: list[int] = []
-    real = staged_prefix_module.encode_token_elements
+    floats: list[int] = []
     lock = threading.Lock()
 
-    def counting(token_ids: Sequence[int]) -> bytes:
-        with lock:
-            encoded.append(len(token_ids))
-        return real(token_ids)
+    def counting(into: list[int], real: Callable[..., bytes]) -> Callable[..., bytes]:
+        def count(values: Sequence[Any], **kwargs: Any) -> bytes:
+            with lock:
+                into.append(len(values))
+            return real(values, **kwargs)
 
-    monkeypatch.setattr(staged_prefix_module, "encode_token_elements", counting)
+        return count
+
+    for module, name, into in (
+        (staged_prefix_module, "encode_token_elements", encoded),
+        (hashes_module, "encode_token_ids", encoded),  # the builders' hashes
+        (hashes_module, "encode_token_elements", encoded),  # a record's digest
+        (staged_prefix_module, "encode_float32_elements", floats),
+    ):
+        monkeypatch.setattr(module, name, counting(into, getattr(module, name)))
     store = FileTokenStagingStore(tmp_path / "staging")
     engine = _engine(tmp_path, store)
     _live_calls(engine, 2, prompt_tokens=300, generated=40)
-    await _round(engine, "ck-1")  # cumulative records: nothing encoded for the prefix
-    assert encoded == []
+    await _round(engine, "ck-1")  # each call's cumulative record
+    assert sorted(encoded) == [340, 340]
     for round_number, chunk in ((2, 7), (3, 5)):
         encoded.clear()
         for live in engine.live.values():
             for token in range(chunk):
                 live.append(token, -1.0)
         receipt = await _round(engine, f"ck-{round_number}")
-        # Each call's new chunk twice (its hashes, then the receipt's digest); round 2 also each
-        # call's first record, once. Round 3 encodes nothing staged before: the encodings are kept.
-        if round_number == 2:
-            assert sorted(encoded) == [7, 7, 7, 7, 340, 340]
-        else:
-            assert sorted(encoded) == [5, 5, 5, 5]
+        assert sorted(encoded) == [chunk, chunk]
         for ack, live in zip(receipt.prefixes, engine.live.values(), strict=True):
             entries = [store.get(key) for key in ack.staging_keys or []]
             records = [entry.record for entry in entries if entry is not None]
             assert ack.prefix_digest == rebuild_generation_cut(records).digest
             assert ack.prefix_token_count == len(live.generated)
+    assert floats == []
 
 
 def test_the_cuts_bench_reports_every_round_beside_its_floor(tmp_path: Path) -> None:

@@ -189,3 +189,108 @@ def test_the_elements_are_the_blocks_without_their_counts(
     else:
         with pytest.raises(ValueError, match="finite"):
             encode_float32_elements(values, field="f")
+
+
+@settings(max_examples=60)
+@given(
+    st.booleans(),
+    st.lists(IDS, min_size=2, max_size=40),
+    st.lists(st.floats(-30.0, 0.0, width=32), min_size=40, max_size=40),
+    st.data(),
+)
+def test_build_cut_builds_the_records_the_two_builders_build(
+    child: bool, generated: list[int], log_probs: list[float], data: st.DataObject
+) -> None:
+    """D423: the cut records ``build_cut`` builds from one encoding of each column are those of
+    ``build_prefix_record`` and ``build_generation_chunk_record``, digests and hashes included."""
+    capture = RolloutTokenCapture(MemoryStore())
+    call, prompt = _call(capture, child=child)
+    log_probs = log_probs[: len(generated)]
+    cuts = [0, *sorted(data.draw(st.sets(st.integers(1, len(generated) - 1), max_size=4)))]
+    prefix = capture.staged_prefix(call)
+    records: list[StagedCallRecord] = []
+    for start, stop in zip(cuts, [*cuts[1:], len(generated)], strict=True):
+        prefix = capture.build_cut(
+            call,
+            prefix,
+            prompt_token_ids=prompt,
+            generated_token_ids=generated[start:stop],
+            generated_logprobs=log_probs[start:stop],
+        )
+        if not records:
+            expected = capture.build_prefix_record(
+                call,
+                prompt_token_ids=prompt,
+                generated_token_ids=generated[:stop],
+                generated_logprobs=log_probs[:stop],
+            )
+        else:
+            expected = capture.build_generation_chunk_record(
+                call,
+                staged=records,
+                generated_token_ids=generated[start:stop],
+                generated_logprobs=log_probs[start:stop],
+            )
+        assert prefix.records[-1] == expected
+        assert prefix.records[-1].model_dump() == expected.model_dump()
+        records.append(expected)
+        assert prefix.digest == rebuild_generation_cut(records).digest
+    whole = capture.build_prefix_record(
+        call, prompt_token_ids=prompt, generated_token_ids=generated, generated_logprobs=log_probs
+    )
+    assert prefix.digest == whole.digest
+
+
+def test_build_cut_refuses_another_call_s_prefix_and_an_empty_chunk() -> None:
+    capture = RolloutTokenCapture(MemoryStore())
+    child, prompt = _call(capture, child=True)
+    root, _ = _call(capture, child=False)
+    with pytest.raises(ValueError, match="another parent"):
+        capture.build_cut(
+            child,
+            capture.staged_prefix(root),
+            prompt_token_ids=prompt,
+            generated_token_ids=[1],
+            generated_logprobs=[-1.0],
+        )
+    prefix = capture.build_cut(
+        child,
+        capture.staged_prefix(child),
+        prompt_token_ids=prompt,
+        generated_token_ids=[1],
+        generated_logprobs=[-1.0],
+    )
+    with pytest.raises(ValueError, match="at least one token"):
+        capture.build_cut(
+            child, prefix, prompt_token_ids=prompt, generated_token_ids=[], generated_logprobs=[]
+        )
+    with pytest.raises(ValueError, match="another call"):
+        capture.build_cut(
+            root, prefix, prompt_token_ids=[7], generated_token_ids=[2], generated_logprobs=[-1.0]
+        )
+
+
+def test_columns_handed_to_a_prefix_must_hold_the_record_s_delta() -> None:
+    capture = RolloutTokenCapture(MemoryStore())
+    call, prompt = _call(capture, child=False)
+    record, columns = StagedCallRecord.encoded_from_components(
+        rollout_id=call.rollout_id,
+        model_call_id=call.model_call_id,
+        parent_call_id=None,
+        mode="text",
+        prev_len=0,
+        weight_version=0,
+        token_ids_delta=[*prompt, 1],
+        token_mask_delta=[0.0, 0.0, 0.0, 1.0],
+        generation_log_probs_delta=[0.0, 0.0, 0.0, -1.0],
+        chain_hash=compute_chain_hash(None, [*prompt, 1]),
+        cumulative_hash=hash_token_ids([*prompt, 1]),
+    )
+    assert columns.tokens == encode_token_elements(record.token_ids_delta)
+    assert columns.masks == encode_float32_elements(record.token_mask_delta, field="m")
+    assert columns.log_probs == encode_float32_elements(
+        record.generation_log_probs_delta, field="l"
+    )
+    assert encode_token_ids(record.token_ids_delta)[8:] == columns.tokens
+    with pytest.raises(ValueError, match="do not hold the record's delta"):
+        capture.staged_prefix(call).extended(record, columns._replace(masks=columns.masks[4:]))

@@ -473,15 +473,15 @@ def test_complete_call_from_response_and_fail_call() -> None:
 
 def test_each_builder_computes_its_digest_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    original = staging_module.compute_staging_digest
+    original = staging_module._staging_digest_blocks
 
-    def counting(**fields: Any) -> str:
+    def counting(**fields: Any) -> tuple[str, bytes, bytes, bytes]:
         calls.append(fields["model_call_id"])
         return original(**fields)
 
     capture = _capture()
     call = capture.begin_call(child_admission(_parent(), PARENT_TOKENS))
-    monkeypatch.setattr(staging_module, "compute_staging_digest", counting)
+    monkeypatch.setattr(staging_module, "_staging_digest_blocks", counting)
     first = capture.build_prefix_record(
         call, prompt_token_ids=CHILD_PROMPT, generated_token_ids=[97], generated_logprobs=[-0.5]
     )

@@ -11,12 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from protocols import compute_chain_hash, hash_token_ids, root_call_hashes
-from protocols._hashes import (
-    EMPTY_EXTRAS_DIGEST,
-    compute_extras_digest,
-    compute_staging_digest,
-    encode_token_ids,
-)
+from protocols._extras_digest import EMPTY_EXTRAS_DIGEST, compute_extras_digest
+from protocols._hashes import compute_staging_digest, encode_token_ids
 from tests.staging_factories import GOLDEN_EXTRAS, golden_record
 
 GOLDEN_DIGEST = "1122c7fe7e914c809eb9b1c09b26d94a50c1eb2790e7430fbcd8363b846ccf27"

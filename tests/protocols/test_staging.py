@@ -143,13 +143,13 @@ def test_records_refuse_non_finite_floats_on_the_wire() -> None:
 
 def test_from_components_computes_the_digest_once(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = []
-    original = staging_module.compute_staging_digest
+    original = staging_module._staging_digest_blocks
 
-    def counting(**fields: Any) -> str:
+    def counting(**fields: Any) -> tuple[str, bytes, bytes, bytes]:
         calls.append(fields["model_call_id"])
         return original(**fields)
 
-    monkeypatch.setattr(staging_module, "compute_staging_digest", counting)
+    monkeypatch.setattr(staging_module, "_staging_digest_blocks", counting)
     golden_record()
     assert calls == ["call-1"]
     StagedCallRecord.model_validate(golden_record().model_dump())

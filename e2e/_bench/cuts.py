@@ -6,7 +6,10 @@ prompt, a multi-turn history, a reasoning trace. This suite builds ``calls`` liv
 worker engine, each a root call whose prompt holds ``prompt_tokens`` tokens and which has
 generated ``generated`` tokens, and runs cut rounds through the engine's own ``cut`` — the
 batches of ``CUT_BATCH`` calls, one staging segment each, the cut deadline — with nothing else
-running. Round 1 stages every call's cumulative record (prompt and generated tokens); before each
+running. With ``parent_tokens`` each call is a later turn instead (``token_in``): its parent's
+sequence comes before its own prompt, as in a multi-turn conversation, so its records carry
+only its own tokens while their cumulative hashes cover the parent's too. Round 1 stages every
+call's cumulative record (its prompt past the parent and its generated tokens); before each
 later round every call generates ``chunk`` more tokens, so the round stages chunks and answers
 each call's receipt with the digest of its whole staged prefix, as checkpoints minutes apart
 would.
@@ -27,7 +30,12 @@ from typing import Any, Final
 import anyio
 
 from participants import FileTokenStagingStore
-from protocols import CaptureAdmission, GenerationCutInventory, GenerationCutPrefix
+from protocols import (
+    CaptureAdmission,
+    GenerationCutInventory,
+    GenerationCutPrefix,
+    compute_chain_hash,
+)
 
 from .._servers.evidence import EvidenceLog
 from .._worker.cuts import LiveCall
@@ -46,14 +54,33 @@ change what it costs, every id is encoded as a u64."""
 LOG_PROB: Final = -1.25
 
 
-def _live_calls(engine: WorkerEngine, calls: int, *, prompt_tokens: int, generated: int) -> None:
-    """``calls`` admitted root calls on ``engine``, each with its prompt and generated tokens."""
+def _live_calls(
+    engine: WorkerEngine, calls: int, *, prompt_tokens: int, generated: int, parent_tokens: int = 0
+) -> None:
+    """``calls`` admitted calls on ``engine``, each with its prompt and generated tokens.
+
+    With ``parent_tokens`` each is a later turn of a conversation (a ``token_in`` call): its
+    parent's whole sequence, ``parent_tokens`` long, comes before its own prompt, and its cut
+    records hold only its own tokens while their cumulative hashes cover the parent's too.
+    """
     rng = random.Random(calls)  # noqa: S311 - reproducible token ids, not secrets
     for index in range(calls):
-        admission = CaptureAdmission(
-            rollout_id=f"r{index:06d}", model_call_id=f"call-{index:06d}", mode="text"
-        )
-        prompt = [rng.randrange(VOCABULARY) for _ in range(prompt_tokens)]
+        parent = [rng.randrange(VOCABULARY) for _ in range(parent_tokens)]
+        if parent:
+            admission = CaptureAdmission(
+                rollout_id=f"r{index:06d}",
+                model_call_id=f"call-{index:06d}",
+                parent_call_id=f"parent-{index:06d}",
+                prev_len=len(parent),
+                mode="token_in",
+                required_prefix_token_ids=parent,
+                parent_chain_hash=compute_chain_hash(None, parent),
+            )
+        else:
+            admission = CaptureAdmission(
+                rollout_id=f"r{index:06d}", model_call_id=f"call-{index:06d}", mode="text"
+            )
+        prompt = parent + [rng.randrange(VOCABULARY) for _ in range(prompt_tokens)]
         live = LiveCall(
             call=engine.capture.begin_call(admission, weight_version=0),
             generation=GenerationRequest(
@@ -93,6 +120,7 @@ async def _measure_size(
     chunk: int,
     rounds: int,
     cut_timeout_ms: float,
+    parent_tokens: int,
 ) -> list[dict[str, Any]]:
     staging = root / "staging"
     engine = WorkerEngine(
@@ -100,15 +128,21 @@ async def _measure_size(
         evidence=EvidenceLog(root / "evidence.jsonl"),
         cut_timeout_ms=cut_timeout_ms,
     )
-    stage(f"{calls:,} calls · admitting, {prompt_tokens:,} prompt tokens each")
-    _live_calls(engine, calls, prompt_tokens=prompt_tokens, generated=generated)
+    stage(f"{calls:,} calls · admitting, {parent_tokens + prompt_tokens:,} prompt tokens each")
+    _live_calls(
+        engine,
+        calls,
+        prompt_tokens=prompt_tokens,
+        generated=generated,
+        parent_tokens=parent_tokens,
+    )
     rows: list[dict[str, Any]] = []
     for round_number in range(1, rounds + 1):
         if round_number > 1:
             for live in engine.live.values():  # decoding went on since the last round
                 for token in range(chunk):
                     live.append(token, LOG_PROB)
-        per_call = prompt_tokens + len(next(iter(engine.live.values())).generated)
+        per_call = parent_tokens + prompt_tokens + len(next(iter(engine.live.values())).generated)
         inventory = _inventory(engine, f"bench-cuts-{calls}-{round_number}")
         stage(f"{calls:,} calls · round {round_number} of {rounds}")
         before = set(files_under(staging))
@@ -149,20 +183,25 @@ def run_cuts_bench(
     chunk: int = CHUNK_TOKENS,
     rounds: int = ROUNDS,
     cut_timeout_ms: float = 5000.0,
+    parent_tokens: int = 0,
 ) -> dict[str, Any]:
     """Every size's rounds, each beside its floor (one fresh worker engine per size).
 
     Args:
         directory: An empty scratch directory on the disk to measure.
         calls: Live calls per size.
-        prompt_tokens: Prompt tokens of each call.
+        prompt_tokens: Prompt tokens of each call (past its parent's, with ``parent_tokens``).
         generated: Tokens each call has generated when round 1 runs.
         chunk: Tokens each call generates before each later round.
         rounds: Cut rounds per size.
         cut_timeout_ms: The worker's cut deadline (``serve worker --cut-timeout-ms``).
+        parent_tokens: With more than 0, every call is a later turn whose parent's sequence
+            holds this many tokens (a ``token_in`` call); 0 makes root calls.
     """
     if prompt_tokens < 1 or generated < 0 or chunk < 1 or rounds < 1 or not calls:
         raise ValueError("prompt_tokens, chunk, rounds and calls must be positive")
+    if parent_tokens < 0:
+        raise ValueError("parent_tokens must not be negative")
 
     async def main() -> list[dict[str, Any]]:
         rows: list[dict[str, Any]] = []
@@ -175,10 +214,12 @@ def run_cuts_bench(
                 chunk=chunk,
                 rounds=rounds,
                 cut_timeout_ms=cut_timeout_ms,
+                parent_tokens=parent_tokens,
             )
         return rows
 
     return {
+        "parent_tokens": parent_tokens,
         "prompt_tokens": prompt_tokens,
         "generated_tokens": generated,
         "chunk_tokens": chunk,

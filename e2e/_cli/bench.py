@@ -144,8 +144,16 @@ def register(app: typer.Typer) -> None:
             ),
         ] = None,
         prompt_tokens: Annotated[
-            int, typer.Option(min=1, help="Prompt tokens of each call.")
+            int, typer.Option(min=1, help="Prompt tokens of each call, past its parent's.")
         ] = PROMPT_TOKENS,
+        parent_tokens: Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="Tokens of each call's parent sequence: a later turn of a conversation "
+                "(token_in); 0 makes root calls.",
+            ),
+        ] = 0,
         generated: Annotated[
             int, typer.Option(min=0, help="Tokens each call has generated at round 1.")
         ] = GENERATED_TOKENS,
@@ -179,12 +187,14 @@ def register(app: typer.Typer) -> None:
                     chunk=chunk,
                     rounds=rounds,
                     cut_timeout_ms=cut_timeout_ms,
+                    parent_tokens=parent_tokens,
                 )
             )
 
         def render() -> None:
+            parent = f"{parent_tokens:,} parent + " if parent_tokens else ""
             table = Table(
-                title=f"worker cut rounds: {prompt_tokens:,} prompt + {generated:,} generated "
+                title=f"worker cut rounds: {parent}{prompt_tokens:,} prompt + {generated:,} generated "
                 f"tokens a call, +{chunk} a round, deadline {cut_timeout_ms:g} ms"
             )
             columns = (

@@ -21,7 +21,7 @@ from e2e._servers.evidence import EvidenceLog
 from e2e._worker.cuts import cut_batches, new_tokens
 from e2e._worker.engine import WorkerEngine
 from participants import FileTokenStagingStore, rebuild_generation_cut
-from protocols import GenerationCutReceipt, StagedEntry
+from protocols import GenerationCutReceipt, StagedEntry, compute_chain_hash, hash_token_ids
 
 pytestmark = pytest.mark.anyio
 
@@ -173,3 +173,33 @@ def test_the_cuts_bench_reports_every_round_beside_its_floor(tmp_path: Path) -> 
     assert rows[0]["bytes_written"] > 4 * rows[1]["bytes_written"]
     with pytest.raises(ValueError, match="positive"):
         run_cuts_bench(tmp_path, calls=[], rounds=1)
+
+
+async def test_later_turns_are_cut_on_their_parent(tmp_path: Path) -> None:
+    """``bench cuts --parent-tokens``: each call continues a parent sequence; its cut records
+    carry only its own tokens, and their hashes chain from the parent as a completion's do."""
+    store = FileTokenStagingStore(tmp_path / "staging")
+    engine = _engine(tmp_path, store)
+    _live_calls(engine, 3, prompt_tokens=20, generated=6, parent_tokens=50)
+    for round_number in (1, 2):
+        if round_number == 2:
+            for live in engine.live.values():
+                live.append(5, -1.0)
+        receipt = await _round(engine, f"ck-{round_number}")
+        for ack, live in zip(receipt.prefixes, engine.live.values(), strict=True):
+            records = [store.get(key).record for key in ack.staging_keys or []]  # type: ignore[union-attr]
+            parent, own = live.engine_prompt[:50], live.engine_prompt[50:] + live.generated
+            assert [r.prev_len for r in records] == [50] * round_number
+            assert sum(r.delta_len for r in records) == len(own) == 26 + round_number - 1
+            assert (records[-1].chain_hash, records[-1].cumulative_hash) == (
+                compute_chain_hash(compute_chain_hash(None, parent), own),
+                hash_token_ids(parent + own),
+            )
+            assert ack.prefix_digest == rebuild_generation_cut(records).digest
+
+
+def test_the_cuts_bench_counts_the_parent_s_tokens_in_flight(tmp_path: Path) -> None:
+    payload = run_cuts_bench(tmp_path, calls=[2], prompt_tokens=10, parent_tokens=30, rounds=1)
+    assert payload["parent_tokens"] == 30
+    assert payload["rows"][0]["tokens_per_call"] == 30 + 10 + 512
+    assert payload["rows"][0]["cut"] == 2

@@ -316,13 +316,15 @@ class EnvironmentParticipant(BaseParticipant):
 
     async def export(self, episode_ids: Sequence[EpisodeId] | None) -> list[Record]:
         """Parked and replay-step episodes, then restored records whose replacement is in scope."""
-        wanted = None if episode_ids is None else {e.capture_key for e in episode_ids}
+        wanted = None if episode_ids is None else {e.capture_key: e for e in episode_ids}
         records: list[Record] = []
         for key, episode in sorted(self.steps.episodes.items()):
             if episode.exportable and (wanted is None or key in wanted):
+                # A scoped key's attempt is the scope's own, validated already (D425).
+                named = EpisodeId.from_capture_key(key) if wanted is None else wanted[key]
                 records.append(
                     {
-                        "episode_id": EpisodeId.from_capture_key(key).model_dump(),
+                        "episode_id": {"rollout_id": named.rollout_id, "attempt": named.attempt},
                         "task_digest": self.digests[key],
                         "boundary": episode.boundary,
                     }

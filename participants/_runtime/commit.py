@@ -37,6 +37,7 @@ from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .jobs import Job
 from .participant import Record
+from .restore_batch import RestoreScope
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -197,15 +198,21 @@ class CommitProcedure:
         with checkpoint_span(EXPORT_SPAN, id=commit.checkpoint_id) as span:
             records = list(await plane.participant.export(commit.scope))
             set_checkpoint_attributes(span, records=len(records))
-        wanted = None if commit.scope is None else {e.capture_key for e in commit.scope}
+        # The scope as an index: a record naming a scoped attempt as a plain object is that
+        # attempt, already validated (D425); anything else is validated and must be in scope.
+        scope = None if commit.scope is None else RestoreScope.of(commit.scope)
         keys = set()
         for index, record in enumerate(records):
-            episode = record_episode(record, index)
+            raw = record.get("episode_id") if type(record) is dict else None
+            episode = None if scope is None else scope.lookup(raw)
+            if episode is None:
+                episode = record_episode(record, index)
+                if scope is not None and episode not in scope:
+                    raise InvalidCheckpointStateError(
+                        f"the participant exported {episode.capture_key}, which is outside the "
+                        "scope"
+                    )
             keys.add(episode.capture_key)
-            if wanted is not None and episode.capture_key not in wanted:
-                raise InvalidCheckpointStateError(
-                    f"the participant exported {episode.capture_key}, which is outside the scope"
-                )
             if plane.marks.is_retired(episode):
                 raise InvalidCheckpointStateError(
                     f"the participant exported {episode.capture_key}, a retired attempt"

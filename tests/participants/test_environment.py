@@ -11,6 +11,7 @@ from participants import EpisodeOutcome
 from protocols import (
     AdmissionClosedError,
     CheckpointError,
+    EpisodeId,
     InvalidCheckpointStateError,
     Phase,
     RestoreRequest,
@@ -116,6 +117,25 @@ async def test_an_episode_in_its_first_replay_step_is_exported_without_a_boundar
         env.peers.release("seed_agent")
         await env.resume("c1")
         await env.outcome("r1")
+
+
+async def test_a_scoped_export_names_each_episode_as_an_unscoped_one_does(tmp_path: Path) -> None:
+    """D425: with a scope, a record's episode id is the scope's attempt, dumped as before."""
+    async with environment(tmp_path) as env:
+        env.peers.hold("activate")
+        for key in ("r1", "r2", "r3"):
+            env.start(key)
+        await env.peers.entered["activate"].wait()
+        await settle()
+        assert await env.prepare("c1") is Phase.PREPARED
+        everything = await env.participant.export(None)
+        scoped = await env.participant.export([ep("r3"), ep("r1")])
+        assert [r["episode_id"] for r in everything] == [
+            EpisodeId(rollout_id=key).model_dump() for key in ("r1", "r2", "r3")
+        ]
+        assert scoped == [everything[0], everything[2]]
+        env.peers.release("activate")
+        await env.resume("c1")
 
 
 async def _checkpoint_mid_activation(env: Env) -> None:

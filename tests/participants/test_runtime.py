@@ -9,6 +9,7 @@ import anyio
 import pytest
 from structlog.testing import capture_logs
 
+import participants._runtime.commit as commit_module
 from participants import read_participant_checkpoint
 from protocols import (
     CheckpointConflictError,
@@ -593,3 +594,55 @@ async def test_a_participant_refusal_keeps_its_code(tmp_path: Path) -> None:
         with pytest.raises(RetireIncompleteError):
             await h.plane.forget(forget_req(["a"]))
         assert h.plane.marks.snapshot() == {"a": 0}, "a refused forget changes nothing"
+
+
+@pytest.mark.parametrize(
+    ("episode_id", "refusal"),
+    [
+        ({"rollout_id": "zz", "attempt": 0}, "outside the scope"),
+        ({"rollout_id": "a", "attempt": 1}, "outside the scope"),
+        ({"rollout_id": "a", "attempt": 0, "extra": 1}, "no valid episode_id"),
+        ({"rollout_id": "a", "attempt": True}, "no valid episode_id"),
+        ("a", "no valid episode_id"),
+        (None, "no valid episode_id"),
+    ],
+)
+async def test_a_commit_refuses_an_export_outside_its_scope_or_malformed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, episode_id: object, refusal: str
+) -> None:
+    async with harness(tmp_path) as h:
+        h.fake.start(ep("a"))
+        await _prepared(h)
+
+        async def export(episode_ids: object) -> list[dict[str, object]]:
+            return [{"episode_id": {"rollout_id": "a", "attempt": 0}}, {"episode_id": episode_id}]
+
+        monkeypatch.setattr(h.fake, "export", export)
+        with pytest.raises(InvalidCheckpointStateError, match=refusal):
+            await h.plane.commit(commit_req(h.directory(), [ep("a")]))
+
+
+async def test_a_commit_validates_no_scoped_record_s_episode_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """D425: an exported record naming a scoped attempt as a plain object is that attempt."""
+    validated: list[object] = []
+    real = commit_module.record_episode
+
+    def counting(record: object, index: int) -> object:
+        validated.append(record)
+        return real(record, index)
+
+    monkeypatch.setattr(commit_module, "record_episode", counting)
+    async with harness(tmp_path) as h:
+        for name in ("a", "b", "c"):
+            h.fake.start(ep(name))
+        await _prepared(h)
+        reply = await h.plane.commit(commit_req(h.directory(), [ep("a"), ep("b"), ep("c")]))
+        assert reply.episode_ids == ["a", "b", "c"]
+        assert validated == []
+    async with harness(tmp_path / "unscoped") as h:
+        h.fake.start(ep("a"))
+        await _prepared(h)
+        await h.plane.commit(commit_req(h.directory(), None))
+        assert len(validated) == 1  # without a scope every record is validated

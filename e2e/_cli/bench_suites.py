@@ -92,6 +92,9 @@ def _print_load(payload: dict[str, Any]) -> None:
         f"load average (1, 5, 15 min): {', '.join(f'{v:g}' for v in start)} at the start, "
         f"{', '.join(f'{v:g}' for v in end)} at the end"
     )
+    if "speed_probe_ms" in payload:  # every suite but tracing, which keeps its own fields
+        first, last = payload["speed_probe_ms"]
+        console.print(f"speed probe: {first:g} ms at the start, {last:g} ms at the end (D426)")
 
 
 def emit_bench(payload: dict[str, Any], *, as_json: bool, render: Callable[[], None]) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+import e2e._bench.common as common_module
 from e2e import build_app
 
 runner = CliRunner()
@@ -123,13 +124,19 @@ def test_a_bench_reports_the_load_average_at_its_start_and_its_end(
     payload = json.loads(result.output)
     assert payload["loadavg"] == [1.5, 1.25, 1.0]
     assert payload["loadavg_end"] == [2.5, 2.25, 2.0]
+    # And how fast the machine ran a fixed piece of Python, at the start and the end (D426).
+    first, last = payload["speed_probe_ms"]
+    assert 0 < first < 10_000 and 0 < last < 10_000
     readings = iter([(0.5, 0.25, 0.75), (3.0, 2.0, 1.0)])
+    probes = iter([12.5, 20.25])
+    monkeypatch.setattr(common_module, "speed_probe_ms", lambda: next(probes))
     result = runner.invoke(build_app(), args, env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     assert (
         "load average (1, 5, 15 min): 0.5, 0.25, 0.75 at the start, 3, 2, 1 at the end"
         in result.output
     )
+    assert "speed probe: 12.5 ms at the start, 20.25 ms at the end" in result.output
 
 
 def test_a_bench_table_written_to_a_file_keeps_every_figure_whole(

@@ -100,14 +100,7 @@ def encode_token_ids(token_ids: Sequence[int]) -> bytes:
     Raises:
         ValueError: An id is not an exact integer in ``[0, 2**64)``.
     """
-    count = len(token_ids)
-    if _EXACT_INT.issuperset(map(type, token_ids)):
-        try:
-            return struct.pack(f">Q{count}Q", count, *token_ids)
-        except struct.error:
-            pass  # out of range: named below
-    _refuse_bad_ids(token_ids)
-    return struct.pack(f">Q{count}Q", count, *token_ids)
+    return _PACK_U64(len(token_ids)) + encode_token_elements(token_ids)
 
 
 def encode_token_elements(token_ids: Sequence[int]) -> bytes:

@@ -35,7 +35,7 @@ from protocols import (
     staging_key,
 )
 
-from .cut_records import build_cut, check_prefix_of, first_columns
+from .cut_records import build_cut, check_prefix_of, chunk_columns, extend, first_columns
 from .errors import CaptureError, StreamingUnsupportedError
 from .prefix import check_generation_cut, resolve_prefix
 from .records import ActiveCall, CaptureAdapter, failed_coords, record_of
@@ -188,27 +188,12 @@ class RolloutTokenCapture:
             ValueError: No new tokens, unequal columns, no earlier record, a record of another
                 call, or a prefix of another parent.
         """
-        generated = list(generated_token_ids)
-        log_probs = list(generated_logprobs)
-        if not generated:
-            raise ValueError("a generation chunk needs at least one token")
-        if len(generated) != len(log_probs):
-            raise ValueError("generated token ids and log-probs must have equal lengths")
+        columns = chunk_columns(generated_token_ids, generated_logprobs)
         if not staged:
             raise ValueError("a chunk follows a cumulative record; stage build_prefix_record first")
-        admission = call.admission
         prefix = staged if isinstance(staged, StagedPrefix) else self.staged_prefix(call, staged)
         check_prefix_of(call, prefix)
-        chain_hash, cumulative_hash = prefix.chunk_hashes(generated)
-        return record_of(
-            admission,
-            weight_version=call.weight_version,
-            tokens=generated,
-            masks=[1.0] * len(generated),
-            log_probs=log_probs,
-            chain_hash=chain_hash,
-            cumulative_hash=cumulative_hash,
-        )
+        return extend(call, prefix, columns, call.weight_version).records[-1]
 
     build_cut = staticmethod(build_cut)
     """:func:`build_cut`: the call's next cut record on its staged prefix (D423)."""

@@ -100,25 +100,44 @@ def build_cut(
     """
     check_prefix_of(call, staged)
     if not staged:
-        tokens, masks, log_probs = first_columns(
-            call, prompt_token_ids, generated_token_ids, generated_logprobs
-        )
-        version = call.oldest_weight_version
-    else:
-        tokens, log_probs = list(generated_token_ids), list(generated_logprobs)
-        if not tokens:
-            raise ValueError("a generation chunk needs at least one token")
-        if len(tokens) != len(log_probs):
-            raise ValueError("generated token ids and log-probs must have equal lengths")
-        masks, version = [1.0] * len(tokens), call.weight_version
+        columns = first_columns(call, prompt_token_ids, generated_token_ids, generated_logprobs)
+        return extend(call, staged, columns, call.oldest_weight_version)
+    columns = chunk_columns(generated_token_ids, generated_logprobs)
+    return extend(call, staged, columns, call.weight_version)
+
+
+def chunk_columns(
+    generated_token_ids: Sequence[int], generated_logprobs: Sequence[float]
+) -> tuple[list[int], list[float], list[float]]:
+    """The token ids, masks (all 1.0) and log-probs of a chunk of new tokens.
+
+    Raises:
+        ValueError: No token, or the columns disagree.
+    """
+    tokens, log_probs = list(generated_token_ids), list(generated_logprobs)
+    if not tokens:
+        raise ValueError("a generation chunk needs at least one token")
+    if len(tokens) != len(log_probs):
+        raise ValueError("generated token ids and log-probs must have equal lengths")
+    return tokens, [1.0] * len(tokens), log_probs
+
+
+def extend(
+    call: ActiveCall,
+    prefix: StagedPrefix,
+    columns: tuple[list[int], list[float], list[float]],
+    weight_version: int,
+) -> StagedPrefix:
+    """``prefix`` extended by a record of ``columns`` under the call's identity."""
+    tokens, masks, log_probs = columns
     admission = call.admission
-    return staged.next_record(
+    return prefix.next_record(
         rollout_id=admission.rollout_id,
         model_call_id=admission.model_call_id,
         parent_call_id=admission.parent_call_id,
         mode=admission.mode,
         prev_len=admission.prev_len,
-        weight_version=version,
+        weight_version=weight_version,
         token_ids=tokens,
         token_masks=masks,
         log_probs=log_probs,

@@ -8,8 +8,12 @@ and record the worker's request is encoded and its reply decoded (**worker_codec
 itself is left out. The steps run the server's own code (``e2e._servers.policy_server`` and the
 capture protocol it calls, ``participants.resolve_admission`` / ``record_custody``) against a
 capture ledger of either layout (``SqliteCaptureLedger`` by default, ``FileCaptureLedger``) in a
-scratch directory, one call at a time, each rollout's calls in order
-with a conversation that grows by an assistant and a tool item per call.
+scratch directory, each rollout's calls in order with a conversation that grows by an
+assistant and a tool item per call. By default one call runs at a time; with ``in_flight`` N the
+rollouts run in waves of N, each step taken by every call of a wave together (D427), which is
+what a server with N calls in flight pays per call: a busy loop, batched group commits, and a
+garbage collector walking every call's objects. ``gc_us_per_call`` says how much of the steps'
+CPU went into the collector's collections.
 
 ``os.fsync`` is replaced by a no-op for the whole run (the SQLite layout runs with
 ``synchronous=OFF``, its own way of not syncing), so the figures are what the server spends
@@ -18,7 +22,8 @@ group commit included), read before and after each step.
 
 The floor is what any call must do under "no blocking file work on the event loop": one read of
 the ledger file (open, read, close) and one append (open, write, close), each through one bare
-event loop → thread → event loop round trip, alternated call by call with ours.
+event loop → thread → event loop round trip, alternated call by call with ours; for a wave, its
+reads in one round trip and then its appends in another, alternated turn by turn.
 """
 
 from __future__ import annotations
@@ -26,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
+import itertools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any, Final
@@ -38,12 +45,21 @@ import anyio
 from participants import (
     FileCaptureLedger,
     ModelParticipant,
+    ModelTicket,
     SqliteCaptureLedger,
     record_custody,
     resolve_admission,
 )
-from protocols import CompletionReply, EpisodeId, as_request_items, conversation_digest
+from protocols import (
+    CaptureAdmission,
+    CompletionReply,
+    EpisodeId,
+    RequestItem,
+    as_request_items,
+    conversation_digest,
+)
 
+from .._launch.loop_watch import GcClock
 from .ledger_floors import _ThreadHop
 
 STEPS: Final = ("admit", "resolve", "worker_codec", "record", "egress")
@@ -121,9 +137,92 @@ class _FloorFiles:
         os.fsync(fd)
         os.close(fd)
 
+    def read_many(self, keys: list[str]) -> None:
+        for key in keys:
+            self.read(key)
+
+    def append_many(self, keys: list[str], line: bytes) -> None:
+        for key in keys:
+            self.append(key, line)
+
+
+@dataclass
+class _Call:
+    """One rollout's call going through the steps, and its conversation so far."""
+
+    key: str
+    messages: list[dict[str, str]]
+    ticket: ModelTicket | None = None
+    items: list[RequestItem] = field(default_factory=list)
+    admission: CaptureAdmission | None = None
+    reply: CompletionReply | None = None
+
+    @classmethod
+    def first(cls, key: str) -> _Call:
+        return cls(
+            key, [{"role": "system", "content": "counter"}, {"role": "user", "content": f"{key} 0"}]
+        )
+
+
+async def _admit(participant: ModelParticipant, call: _Call) -> None:
+    call.ticket = await participant.admit(EpisodeId.from_capture_key(call.key))
+    call.items = as_request_items(call.messages)  # as PolicyServer.serve does
+    call.ticket.request_digest = conversation_digest(call.items)
+
+
+async def _resolve(participant: ModelParticipant, call: _Call) -> None:
+    assert call.ticket is not None
+    call.admission = await resolve_admission(
+        participant.ledger, call.key, call.ticket.model_call_id, call.items
+    )
+    assert call.admission is not None, f"the parent of {call.ticket.model_call_id} did not resolve"
+
+
+def _codec(call: _Call, turn: int) -> float:
+    """Encode the worker's request and decode its reply; the seconds of the worker's own work
+    (building the reply), which are not ours and are taken out of the step."""
+    assert call.admission is not None
+    call.admission.model_dump(mode="json")
+    pause = time.process_time()
+    body = _reply_json(call.admission, turn)
+    worker = time.process_time() - pause
+    call.reply = CompletionReply.model_validate_json(body)
+    return worker
+
+
+async def _record(participant: ModelParticipant, call: _Call, *, turn: int) -> None:
+    assert call.ticket is not None
+    assert call.admission is not None
+    assert call.reply is not None
+    commit = await record_custody(
+        participant.ledger,
+        call.admission,
+        call.reply.ng_commit_coords,
+        request_items=call.items,
+        response_items=[{"role": "assistant", "content": _content(call.key, turn)}],
+        response_id=f"resp_{call.ticket.model_call_id}",
+        admitted_at=call.ticket.admitted_at,
+    )
+    assert commit is not None, "the worker's coordinates did not become a custody row"
+
+
+async def _egress(participant: ModelParticipant, call: _Call) -> None:
+    assert call.ticket is not None
+    await participant.gate.deliver(call.ticket)
+    participant.release(call.ticket)
+
+
+def _content(key: str, turn: int) -> str:
+    return f"completion {turn} of {key}"
+
 
 def run_hotpath_bench(
-    directory: Path, *, rollouts: int, calls: int = 4, layout: str = "sqlite"
+    directory: Path,
+    *,
+    rollouts: int,
+    calls: int = 4,
+    layout: str = "sqlite",
+    in_flight: int = 1,
 ) -> dict[str, Any]:
     """CPU µs per captured call and each step's share, beside the floor.
 
@@ -132,7 +231,12 @@ def run_hotpath_bench(
         rollouts: How many rollouts (each with ``calls`` captured calls, in order).
         calls: Calls per rollout.
         layout: The capture ledger's layout, ``sqlite`` or ``file``.
+        in_flight: Rollouts served at once (D427). 1 serves one call at a time; more runs the
+            rollouts in waves of this many, every call of a wave through each step together
+            (its resolves and records at once), as a server with that many in flight does.
     """
+    if rollouts < 1 or calls < 1 or in_flight < 1:
+        raise ValueError("rollouts, calls and in_flight must be positive")
     cpu = dict.fromkeys(STEPS, 0.0)
     wall_s = 0.0
     floor_cpu = 0.0
@@ -140,47 +244,54 @@ def run_hotpath_bench(
     floor = _FloorFiles(directory / "floor")
     line = b'{"model_call_id":"floor"}\n' * 20  # about one custody row's length
     hop = _ThreadHop()
+    clock = time.process_time
+    collector = GcClock()
+    gc_s = 0.0
+    gc_collections = 0
 
-    async def one_call(
-        participant: ModelParticipant, key: str, messages: list[dict[str, str]], turn: int
-    ) -> str:
-        ledger = participant.ledger
-        clock = time.process_time
-        t0 = clock()
-        ticket = await participant.admit(EpisodeId.from_capture_key(key))
-        items = as_request_items(messages)  # as PolicyServer.serve does
-        ticket.request_digest = conversation_digest(items)
-        t1 = clock()
-        admission = await resolve_admission(ledger, key, ticket.model_call_id, items)
-        assert admission is not None, f"the parent of {ticket.model_call_id} did not resolve"
-        t2 = clock()
-        admission.model_dump(mode="json")
-        pause = clock()
-        body = _reply_json(admission, turn)  # the worker's work: not ours, not timed
-        t2 += clock() - pause
-        reply = CompletionReply.model_validate_json(body)
-        t3 = clock()
-        content = f"completion {turn} of {key}"
-        commit = await record_custody(
-            ledger,
-            admission,
-            reply.ng_commit_coords,
-            request_items=items,
-            response_items=[{"role": "assistant", "content": content}],
-            response_id=f"resp_{ticket.model_call_id}",
-            admitted_at=ticket.admitted_at,
-        )
-        assert commit is not None, "the worker's coordinates did not become a custody row"
-        t4 = clock()
-        await participant.gate.deliver(ticket)
-        participant.release(ticket)
-        t5 = clock()
-        for step, spent in zip(STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4), strict=True):
-            cpu[step] += spent
-        return content
+    async def wave(participant: ModelParticipant, keys: list[str]) -> None:
+        """Every call of the wave's rollouts, turn by turn, each step for all of them at once
+        (one call at a time for a wave of one); then the floor's calls for the same keys."""
+        nonlocal wall_s, floor_cpu, floor_wall, gc_s, gc_collections
+        group = [_Call.first(key) for key in keys]
+        for turn in range(calls):
+            started = time.perf_counter()
+            collected = collector.seconds, collector.collections
+            marks = [clock()]
+            for call in group:
+                await _admit(participant, call)
+            marks.append(clock())
+            await _each(group, partial(_resolve, participant))
+            marks.append(clock())
+            worker = sum(_codec(call, turn) for call in group)  # not ours: taken out from here
+            marks.append(clock() - worker)
+            await _each(group, partial(_record, participant, turn=turn))
+            marks.append(clock() - worker)
+            for call in group:
+                await _egress(participant, call)
+            marks.append(clock() - worker)
+            wall_s += time.perf_counter() - started
+            gc_s += collector.seconds - collected[0]
+            gc_collections += collector.collections - collected[1]
+            for step, (begin, end) in zip(STEPS, itertools.pairwise(marks), strict=True):
+                cpu[step] += end - begin
+            for call in group:
+                call.messages = [
+                    *call.messages,
+                    {"role": "assistant", "content": _content(call.key, turn)},
+                    {"role": "tool", "content": f"add {turn} -> {turn + 1} 0"},
+                ]
+            started, started_cpu = time.perf_counter(), clock()
+            if len(keys) == 1:
+                await hop.run(partial(floor.read, keys[0]))
+                await hop.run(partial(floor.append, keys[0], line))
+            else:  # the least a wave can do: its reads, then its appends, one round trip each
+                await hop.run(partial(floor.read_many, keys))
+                await hop.run(partial(floor.append_many, keys, line))
+            floor_cpu += clock() - started_cpu
+            floor_wall += time.perf_counter() - started
 
     async def main() -> None:
-        nonlocal wall_s, floor_cpu, floor_wall
         ledger: FileCaptureLedger | SqliteCaptureLedger = (
             SqliteCaptureLedger(directory / "ledger", synchronous="OFF")
             if layout == "sqlite"
@@ -188,31 +299,14 @@ def run_hotpath_bench(
         )
         participant = ModelParticipant(ledger)
         try:
-            for index in range(rollouts):
-                key = f"rollout-{index}"
-                messages = [
-                    {"role": "system", "content": "counter"},
-                    {"role": "user", "content": f"{key} 0"},
-                ]
-                for turn in range(calls):
-                    start = time.perf_counter()
-                    content = await one_call(participant, key, messages, turn)
-                    wall_s += time.perf_counter() - start
-                    messages = [
-                        *messages,
-                        {"role": "assistant", "content": content},
-                        {"role": "tool", "content": f"add {turn} -> {turn + 1} 0"},
-                    ]
-                    start, start_cpu = time.perf_counter(), time.process_time()
-                    await hop.run(partial(floor.read, key))
-                    await hop.run(partial(floor.append, key, line))
-                    floor_cpu += time.process_time() - start_cpu
-                    floor_wall += time.perf_counter() - start
+            for first in range(0, rollouts, in_flight):
+                last = min(first + in_flight, rollouts)
+                await wave(participant, [f"rollout-{index}" for index in range(first, last)])
         finally:
             ledger.close()
 
     gc.collect()
-    with fsync_stubbed(), hop:
+    with fsync_stubbed(), hop, collector:
         anyio.run(main)
     total = sum(cpu.values())
     n = rollouts * calls
@@ -220,6 +314,7 @@ def run_hotpath_bench(
         "rollouts": rollouts,
         "calls_per_rollout": calls,
         "calls": n,
+        "in_flight": in_flight,
         "layout": layout,
         "fsync": "stubbed",
         "cpu_us_per_call": round(total / n * 1e6, 2),
@@ -227,6 +322,9 @@ def run_hotpath_bench(
         "floor_cpu_us_per_call": round(floor_cpu / n * 1e6, 2),
         "floor_wall_us_per_call": round(floor_wall / n * 1e6, 2),
         "ratio": round(total / floor_cpu, 3) if floor_cpu > 0 else None,
+        # Inside the steps' figures: the cyclic garbage collector's share of them (D427).
+        "gc_us_per_call": round(gc_s / n * 1e6, 2),
+        "gc_collections": gc_collections,
         "steps": [
             {
                 "step": step,
@@ -236,3 +334,13 @@ def run_hotpath_bench(
             for step in STEPS
         ],
     }
+
+
+async def _each(group: list[_Call], step: Callable[[_Call], Coroutine[Any, Any, None]]) -> None:
+    """Run ``step`` for one call, or for every call of a wave at once."""
+    if len(group) == 1:
+        await step(group[0])
+        return
+    async with anyio.create_task_group() as tasks:
+        for call in group:
+            tasks.start_soon(step, call)

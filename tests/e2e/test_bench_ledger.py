@@ -6,8 +6,10 @@ import os
 import threading
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from e2e._bench.ledger import _Floor, _LogFloor, _ThreadHop
@@ -76,6 +78,68 @@ async def test_the_hot_path_bench_captures_every_call_with_fsync_stubbed_only_in
             rows[0]["model_call_id"],
             rows[1]["model_call_id"],
         ]
+
+
+async def test_the_hot_path_bench_takes_a_wave_s_calls_through_each_step_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``in_flight`` N, every resolve and every record of a wave's calls is under way at
+    the same time (D427), and every call is still captured, chained to its parent."""
+    import e2e._bench.hotpath as hotpath
+
+    at_once = {"resolve": 0, "record": 0}
+    most = dict.fromkeys(at_once, 0)
+
+    def counted(step: str, real: Any) -> Any:
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            at_once[step] += 1
+            most[step] = max(most[step], at_once[step])
+            try:
+                await anyio.lowlevel.checkpoint()  # a wave run one by one would show here
+                return await real(*args, **kwargs)
+            finally:
+                at_once[step] -= 1
+
+        return wrapper
+
+    monkeypatch.setattr(hotpath, "resolve_admission", counted("resolve", hotpath.resolve_admission))
+    monkeypatch.setattr(hotpath, "record_custody", counted("record", hotpath.record_custody))
+    payload = await anyio.to_thread.run_sync(
+        partial(hotpath.run_hotpath_bench, tmp_path, rollouts=5, calls=2, in_flight=4)
+    )
+    assert most == {"resolve": 4, "record": 4}
+    assert payload["in_flight"] == 4
+    assert payload["calls"] == 10
+    assert payload["floor_cpu_us_per_call"] > 0
+    ledger = open_capture_ledger(tmp_path / "ledger", "sqlite")
+    try:
+        stored = [ledger.export_rows(f"rollout-{index}") for index in range(5)]
+    finally:
+        ledger.close()
+    for rows in stored:  # the last wave holds one rollout
+        assert [row["mode"] for row in rows] == ["text", "token_in"]
+        assert rows[1]["parent_call_id"] == rows[0]["model_call_id"]
+    with pytest.raises(ValueError, match="positive"):
+        hotpath.run_hotpath_bench(tmp_path / "none", rollouts=1, in_flight=0)
+
+
+def test_the_hot_path_bench_says_what_the_collector_took_inside_the_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import gc
+
+    import e2e._bench.hotpath as hotpath
+
+    real = hotpath._admit
+
+    async def admit_and_collect(participant: Any, call: Any) -> None:
+        await real(participant, call)
+        gc.collect()  # a full collection inside a step, once per call
+
+    monkeypatch.setattr(hotpath, "_admit", admit_and_collect)
+    payload = hotpath.run_hotpath_bench(tmp_path, rollouts=3, calls=2, in_flight=2)
+    assert payload["gc_collections"] >= 6
+    assert 0 < payload["gc_us_per_call"] <= payload["cpu_us_per_call"]
 
 
 def test_the_sqlite_layouts_floor_appends_every_byte_to_one_log_and_reads_a_key_back(

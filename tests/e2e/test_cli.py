@@ -183,6 +183,7 @@ def test_help_shows_no_value_placeholder_for_a_flag(command: list[str]) -> None:
         ["status"],  # a required option left out
         ["status", "--cluster", "/nonexistent/cluster.toml"],
         ["drill", "--rollouts", "many"],
+        ["bench", "hotpath", "--in-flight", "0"],
         ["verify"],
         ["no-such-command"],
     ],
@@ -194,12 +195,16 @@ def test_click_s_own_usage_errors_are_one_line_and_exit_2(args: list[str]) -> No
     assert lines[0].startswith("error: ") and "--help" in lines[0]
 
 
-def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(
+    tmp_path: Path, in_flight: int
+) -> None:
     args = ["bench", "hotpath", "--json", "--rollouts", "3", "--calls", "3", "--dir", str(tmp_path)]
-    result = runner.invoke(build_app(), args)
+    result = runner.invoke(build_app(), [*args, "--in-flight", str(in_flight)])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert payload["calls"] == 9 and payload["fsync"] == "stubbed"
+    assert payload["in_flight"] == in_flight
     steps = {row["step"]: row for row in payload["steps"]}
     assert list(steps) == ["admit", "resolve", "worker_codec", "record", "egress"]
     assert sum(row["cpu_us_per_call"] for row in steps.values()) == pytest.approx(
@@ -215,10 +220,11 @@ def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(tmp_path
 
 def test_bench_hotpath_table_names_the_steps_and_the_floor(tmp_path: Path) -> None:
     args = ["bench", "hotpath", "--rollouts", "2", "--calls", "2", "--dir", str(tmp_path)]
-    result = runner.invoke(build_app(), args)
+    result = runner.invoke(build_app(), [*args, "--in-flight", "2"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
-    for word in ("admit", "resolve", "record", "egress", "floor"):
+    for word in ("admit", "resolve", "record", "egress", "floor", "2 in flight"):
         assert word in result.output
+    assert "calls a second" in result.output
 
 
 @pytest.mark.parametrize(("written", "asked"), [("file", "sqlite"), ("sqlite", "file")])

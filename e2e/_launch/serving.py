@@ -17,6 +17,7 @@ import typer
 
 from .._servers.context import CONTROL_TOKEN_ENV, HOST, ServeContext
 from .._trace.setup import configure_tracing
+from .collector_settings import apply_collector_thresholds
 from .hosting import announce_listening
 from .loop_watch import LoopWatch
 from .processes import (
@@ -67,10 +68,21 @@ def run_server(app: Any, options: ServeContext | int, *, role: str = "server") -
     """Bind, announce the port on stdout, and serve ``app`` (its lifespan included).
 
     Tracing is configured first, when ``--trace-dir`` or the ``OTEL_*`` variables ask for it;
-    every process of the server traces (a shard inherits the trace directory).
+    every process of the server traces (a shard inherits the trace directory). The collector's
+    thresholds come from ``MIDFLIGHT_GC_THRESHOLDS`` when it is set (D428), in every process.
     """
     port = options if isinstance(options, int) else options.port
     configure_server_logging()
+    try:
+        thresholds = apply_collector_thresholds()
+    except ValueError as exc:  # a usage error: one line, exit 2, before anything is bound
+        sys.stderr.write(f"error: {exc}\n")
+        sys.stderr.flush()
+        raise typer.Exit(2) from None
+    if thresholds is not None:
+        structlog.get_logger("midflight.serve").info(
+            "collector_thresholds", thresholds=list(thresholds)
+        )
     context = options if isinstance(options, ServeContext) else None
     configure_tracing(
         f"midflight-{role}",

@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,48 @@ def test_processes_and_its_older_name_workers_start_the_same_server(
     )
     assert result.exit_code == 0, result.output
     assert [options.processes for options in started] == [3]
+
+
+def _thresholds_logged(log: Path) -> list[list[int]]:
+    found = []
+    for line in log.read_text().splitlines():
+        if line.startswith("{") and json.loads(line).get("event") == "collector_thresholds":
+            found.append(json.loads(line)["thresholds"])
+    return found
+
+
+def test_every_server_process_takes_the_collector_s_thresholds_from_the_environment(
+    tmp_path: Path,
+) -> None:
+    """The main process and each shard set ``MIDFLIGHT_GC_THRESHOLDS`` (D428); unset, none logs."""
+    log = tmp_path / "tuned.log"
+    env = {"MIDFLIGHT_CONTROL_TOKEN": TOKEN, "MIDFLIGHT_GC_THRESHOLDS": "700, 10, 100"}
+    with serve("resources", "--processes", "2", "--root", str(tmp_path), log=log, env=env):
+        deadline = time.monotonic() + 30
+        while len(_thresholds_logged(log)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert _thresholds_logged(log) == [[700, 10, 100]] * 3
+    log = tmp_path / "default.log"
+    env = {"MIDFLIGHT_CONTROL_TOKEN": TOKEN, "MIDFLIGHT_GC_THRESHOLDS": ""}
+    with serve("worker", "--root", str(tmp_path), log=log, env=env):
+        pass
+    assert _thresholds_logged(log) == []
+
+
+@pytest.mark.parametrize(
+    "value", ["700,10,10,10", "700;10", "-1", "lots", "700,,10", "\uff11\uff10"]
+)
+def test_malformed_collector_thresholds_are_one_line_and_exit_2(tmp_path: Path, value: str) -> None:
+    completed = subprocess.run(
+        [sys.executable, "-m", "e2e", "serve", "worker", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+        env={**os.environ, "MIDFLIGHT_CONTROL_TOKEN": TOKEN, "MIDFLIGHT_GC_THRESHOLDS": value},
+    )
+    assert completed.returncode == 2, completed.stderr
+    assert completed.stdout == ""  # nothing was bound or announced
+    (line,) = completed.stderr.strip().splitlines()
+    assert line.startswith("error: MIDFLIGHT_GC_THRESHOLDS=") and "Traceback" not in line

@@ -88,6 +88,7 @@ def custody_commit(
     response_items: RequestItems,
     response_id: str,
     admitted_at: float | None = None,
+    context_digest: str | None = None,
 ) -> CaptureLedgerCommit:
     """What the ledger's ``record`` receives for a call the worker staged under ``admission``.
 
@@ -98,10 +99,14 @@ def custody_commit(
         response_items: The items the response added (one assistant item, say).
         response_id: The id of the response that delivers the call.
         admitted_at: Wall-clock time the call was admitted, if known.
+        context_digest: ``conversation_digest(request_items)`` when the caller computed it
+            already, as a policy server does at admission: the custody row's ``context_digest``
+            without hashing the request again (D429). It must be that digest of these items.
 
     Raises:
         ValueError: The coordinates cannot become a custody row (see
-            :func:`commit_coords_problem`; record a failure row with that reason instead).
+            :func:`commit_coords_problem`; record a failure row with that reason instead), or
+            ``context_digest`` is not a SHA-256 hex digest.
     """
     problem = commit_coords_problem(coords, admission)
     if problem is not None:
@@ -129,7 +134,7 @@ def custody_commit(
         response_id=response_id,
         fingerprint_version=FINGERPRINT_VERSION,
     )
-    return CaptureLedgerCommit(
+    commit = CaptureLedgerCommit(
         rollout_id=admission.rollout_id,
         record=record,
         # The parent's chain is the one the worker fetched the prefix through.
@@ -137,3 +142,4 @@ def custody_commit(
         request_items=request_items,
         response_items=response_items,
     )
+    return commit if context_digest is None else commit.with_context_digest(context_digest)

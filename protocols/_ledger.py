@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal, Protocol, Self, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from ._call_record import CallRecord
 from ._errors import InvalidRolloutIdError
@@ -23,6 +23,7 @@ from ._lineage import (
     assistant_fingerprint,
     conversation_digest,
 )
+from ._records import SHA256_HEX_PATTERN
 
 MAX_LEDGER_BATCH: Final = 4096
 """Most ids one retire or delete request may carry."""
@@ -43,6 +44,7 @@ POISON_REASONS: Final = frozenset(
 """The failure reasons the policy server writes; ``record_failure`` accepts any non-empty one."""
 
 _LEDGER_KEY = re.compile(r"^[A-Za-z0-9._-]+$")
+_SHA256_HEX: Final = re.compile(SHA256_HEX_PATTERN)
 MAX_LEDGER_KEY_LENGTH: Final = 224
 """Longest ledger key: with its longest suffix (``.lineage.started``) a file name stays well under
 255 bytes. Every capture key fits (a rollout id of 200 characters, ``-a`` and four digits)."""
@@ -106,6 +108,21 @@ class CaptureLedgerCommit(BaseModel):
     staging_chain: tuple[str, ...] = Field(min_length=1)
     request_items: tuple[RequestItem, ...]
     response_items: tuple[RequestItem, ...]
+    _context_digest: str | None = PrivateAttr(default=None)
+    """``conversation_digest(request_items)`` when the caller had it already (D429); never on
+    the wire. Set only through :meth:`with_context_digest`."""
+
+    def with_context_digest(self, digest: str) -> Self:
+        """This commit, carrying the request's conversation digest computed at admission, so
+        ``custody_row`` does not hash the whole request again (D429).
+
+        Raises:
+            ValueError: ``digest`` is not a lowercase SHA-256 hex digest.
+        """
+        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+            raise ValueError("a context digest must be a lowercase SHA-256 hex digest")
+        self._context_digest = digest
+        return self
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
@@ -197,7 +214,8 @@ def custody_row(commit: CaptureLedgerCommit) -> dict[str, Any]:
         "model_call_id": record.model_call_id,
         "fingerprint": assistant_fingerprint([*request, *commit.response_items]),
         "context_len": len(request),
-        "context_digest": conversation_digest(request),
+        # The digest the policy server computed at admission, from these very items (D429).
+        "context_digest": commit._context_digest or conversation_digest(request),
         "digest": record.cumulative_hash,
         "parent_call_id": record.parent_call_id,
         "staging_key": record.staging_key,

@@ -1,8 +1,9 @@
-"""Shared test configuration: hypothesis profiles and the soak tier switch."""
+"""Shared test configuration: hypothesis profiles, the soak tier switch, shared fixtures."""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -32,3 +33,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def anyio_backend() -> str:
     """Async tests run on asyncio (the backend uvicorn serves on)."""
     return "asyncio"
+
+
+@pytest.fixture
+def ledger_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The item count of every ``conversation_digest`` the ledger's rows compute from now on
+    (``protocols._ledger``: the custody row's ``context_digest``, D429)."""
+    import protocols
+    import protocols._ledger as ledger_module
+
+    counts: list[int] = []
+    real = protocols.conversation_digest
+
+    def counted(items: Any) -> str:
+        counts.append(len(items))
+        return real(items)
+
+    monkeypatch.setattr(ledger_module, "conversation_digest", counted)
+    return counts

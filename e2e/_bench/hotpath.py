@@ -202,6 +202,7 @@ async def _record(participant: ModelParticipant, call: _Call, *, turn: int) -> N
         response_items=[{"role": "assistant", "content": _content(call.key, turn)}],
         response_id=f"resp_{call.ticket.model_call_id}",
         admitted_at=call.ticket.admitted_at,
+        context_digest=call.ticket.request_digest,  # as the policy server does (D429)
     )
     assert commit is not None, "the worker's coordinates did not become a custody row"
 
@@ -216,6 +217,11 @@ def _content(key: str, turn: int) -> str:
     return f"completion {turn} of {key}"
 
 
+def _tool_output(turn: int, size: int) -> str:
+    text = f"add {turn} -> {turn + 1} 0"
+    return text + " " * (size - len(text)) if size > len(text) else text
+
+
 def run_hotpath_bench(
     directory: Path,
     *,
@@ -223,6 +229,7 @@ def run_hotpath_bench(
     calls: int = 4,
     layout: str = "sqlite",
     in_flight: int = 1,
+    tool_bytes: int = 0,
 ) -> dict[str, Any]:
     """CPU µs per captured call and each step's share, beside the floor.
 
@@ -234,9 +241,11 @@ def run_hotpath_bench(
         in_flight: Rollouts served at once (D427). 1 serves one call at a time; more runs the
             rollouts in waves of this many, every call of a wave through each step together
             (its resolves and records at once), as a server with that many in flight does.
+        tool_bytes: Each tool item's content is padded to this many bytes (a tool's output):
+            the conversation, which every call hashes, grows by as much a call (D429).
     """
-    if rollouts < 1 or calls < 1 or in_flight < 1:
-        raise ValueError("rollouts, calls and in_flight must be positive")
+    if rollouts < 1 or calls < 1 or in_flight < 1 or tool_bytes < 0:
+        raise ValueError("rollouts, calls and in_flight must be positive, tool_bytes not negative")
     cpu = dict.fromkeys(STEPS, 0.0)
     wall_s = 0.0
     floor_cpu = 0.0
@@ -279,7 +288,7 @@ def run_hotpath_bench(
                 call.messages = [
                     *call.messages,
                     {"role": "assistant", "content": _content(call.key, turn)},
-                    {"role": "tool", "content": f"add {turn} -> {turn + 1} 0"},
+                    {"role": "tool", "content": _tool_output(turn, tool_bytes)},
                 ]
             started, started_cpu = time.perf_counter(), clock()
             if len(keys) == 1:
@@ -315,6 +324,7 @@ def run_hotpath_bench(
         "calls_per_rollout": calls,
         "calls": n,
         "in_flight": in_flight,
+        "tool_bytes": tool_bytes,
         "layout": layout,
         "fsync": "stubbed",
         "cpu_us_per_call": round(total / n * 1e6, 2),

@@ -103,6 +103,13 @@ def register(app: typer.Typer) -> None:
                 help="Rollouts served at once: each step runs for all their calls together.",
             ),
         ] = 1,
+        tool_bytes: Annotated[
+            int,
+            typer.Option(
+                min=0,
+                help="Bytes of each tool output in the conversation (it grows by that a call).",
+            ),
+        ] = 0,
         directory: DirOption = None,
         layout: Annotated[
             LedgerLayoutChoice, typer.Option(help="The capture ledger's on-disk layout.")
@@ -122,6 +129,7 @@ def register(app: typer.Typer) -> None:
                     calls=calls,
                     layout=layout.value,
                     in_flight=in_flight,
+                    tool_bytes=tool_bytes,
                 )
             )
 

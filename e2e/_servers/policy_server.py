@@ -237,6 +237,7 @@ class PolicyServer:
                 response_items=[{"role": "assistant", "content": decode(reply.token_ids)}],
                 response_id=api.response_id(ticket.model_call_id),
                 admitted_at=ticket.admitted_at,
+                context_digest=ticket.request_digest,  # of these items, at admission (D429)
             )
         return reply
 

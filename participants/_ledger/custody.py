@@ -68,6 +68,7 @@ async def record_custody(
     response_items: RequestItems,
     response_id: str,
     admitted_at: float | None = None,
+    context_digest: str | None = None,
 ) -> CaptureLedgerCommit | None:
     """Record the worker's coordinates for an admitted call as its custody row in ``ledger``.
 
@@ -79,6 +80,9 @@ async def record_custody(
         response_items: The items the response adds to the conversation.
         response_id: The id of the response that delivers the call.
         admitted_at: Wall-clock time the call was admitted (the gate's ticket has it).
+        context_digest: ``conversation_digest(request_items)`` if already computed (the gate's
+            ticket has it as ``request_digest``): the row's context digest, not hashed again
+            (D429). It must be that digest of ``request_items``.
 
     Returns:
         The commit recorded; ``None`` when the coordinates could not become a custody row and a
@@ -97,6 +101,7 @@ async def record_custody(
         response_items=response_items,
         response_id=response_id,
         admitted_at=admitted_at,
+        context_digest=context_digest,
     )
     await ledger.record(commit)
     return commit

@@ -142,6 +142,24 @@ def test_the_hot_path_bench_says_what_the_collector_took_inside_the_steps(
     assert 0 < payload["gc_us_per_call"] <= payload["cpu_us_per_call"]
 
 
+def test_the_hot_path_bench_s_tool_outputs_grow_the_conversation_every_call_hashes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import e2e._bench.hotpath as hotpath
+
+    sizes: list[int] = []
+    real = hotpath.conversation_digest
+
+    def measured(items: Any) -> str:
+        sizes.append(sum(len(item.content) for item in items))
+        return real(items)
+
+    monkeypatch.setattr(hotpath, "conversation_digest", measured)
+    payload = hotpath.run_hotpath_bench(tmp_path, rollouts=1, calls=3, tool_bytes=500)
+    assert payload["tool_bytes"] == 500
+    assert sizes[1] - sizes[0] > 500 and sizes[2] - sizes[1] > 500  # a tool output a call
+
+
 def test_the_sqlite_layouts_floor_appends_every_byte_to_one_log_and_reads_a_key_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

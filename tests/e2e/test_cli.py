@@ -200,11 +200,12 @@ def test_bench_hotpath_json_gives_every_step_its_share_beside_the_floor(
     tmp_path: Path, in_flight: int
 ) -> None:
     args = ["bench", "hotpath", "--json", "--rollouts", "3", "--calls", "3", "--dir", str(tmp_path)]
-    result = runner.invoke(build_app(), [*args, "--in-flight", str(in_flight)])
+    more = ["--in-flight", str(in_flight), "--tool-bytes", str(100 * in_flight)]
+    result = runner.invoke(build_app(), [*args, *more])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.output)
     assert payload["calls"] == 9 and payload["fsync"] == "stubbed"
-    assert payload["in_flight"] == in_flight
+    assert (payload["in_flight"], payload["tool_bytes"]) == (in_flight, 100 * in_flight)
     steps = {row["step"]: row for row in payload["steps"]}
     assert list(steps) == ["admit", "resolve", "worker_codec", "record", "egress"]
     assert sum(row["cpu_us_per_call"] for row in steps.values()) == pytest.approx(

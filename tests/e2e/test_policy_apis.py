@@ -162,3 +162,28 @@ def test_a_string_input_and_instructions_become_system_and_user_messages() -> No
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "hi"},
     ]
+
+
+async def test_the_custody_row_takes_the_digest_of_admission_and_the_chain_still_resolves(
+    tmp_path: Path, ledger_hashes: list[int]
+) -> None:
+    """D429: the policy server hands the digest it computed at admission to the custody row,
+    which hashes no request again; each next call still finds its parent by that digest."""
+    messages = [SYSTEM, FIRST]
+    call_ids = []
+    async with policy(tmp_path) as (client, _app):
+        for turn in range(3):
+            response = await client.post(
+                "/ng-rollout/r1/v1/chat/completions", json=_body("chat/completions", messages)
+            )
+            call_ids.append(response.json()["ng_model_call_id"])
+            messages = [
+                *messages,
+                {"role": "assistant", "content": _content("chat/completions", response)},
+                {"role": "user", "content": f"r1 {turn + 1}"},
+            ]
+        manifest = (await client.get(MANIFEST.format("r1"), headers=AUTH)).json()
+    assert ledger_hashes == []
+    records = manifest["records"]
+    assert [r["model_call_id"] for r in records] == call_ids
+    assert [r["parent_call_id"] for r in records] == [None, *call_ids[:2]]

@@ -15,7 +15,9 @@ from protocols import (
     RequestItem,
     admission_from_resolution,
     commit_coords_problem,
+    conversation_digest,
     custody_commit,
+    custody_row,
 )
 from protocols._ledger import POISON_REASONS
 from protocols._lineage import FINGERPRINT_VERSION, LineageMatch
@@ -191,3 +193,30 @@ def test_a_root_custody_commit_chains_only_its_own_key() -> None:
     assert commit.staging_chain == ("r1/c0",)
     assert (commit.record.mode, commit.record.parent_call_id) == ("text", None)
     assert commit.record.admitted_at is None
+
+
+def test_a_context_digest_from_admission_is_the_row_s_and_spares_hashing_again(
+    ledger_hashes: list[int],
+) -> None:
+    """D429: the digest the policy server computed at admission becomes the row's context
+    digest as it is; the row is the one hashing the request would give, and it never goes on
+    the wire."""
+    admission = _child()
+    kwargs: dict[str, Any] = {
+        "request_items": REQUEST,
+        "response_items": RESPONSE,
+        "response_id": "chatcmpl-c2",
+    }
+    hashed = custody_row(custody_commit(admission, _coords(admission), **kwargs))
+    digest = conversation_digest(REQUEST)
+    assert hashed["context_digest"] == digest
+    ledger_hashes.clear()
+    commit = custody_commit(admission, _coords(admission), **kwargs, context_digest=digest)
+    assert custody_row(commit) == hashed
+    assert ledger_hashes == []  # not hashed again
+    assert "_context_digest" not in commit.model_dump() and digest not in commit.model_dump_json()
+    custody_row(custody_commit(admission, _coords(admission), **kwargs))
+    assert ledger_hashes == [len(REQUEST)]  # without it, the row hashes the request itself
+    for bad in ("", "ABC", digest.upper(), digest[:-1]):
+        with pytest.raises(ValueError, match="context digest"):
+            custody_commit(admission, _coords(admission), **kwargs, context_digest=bad)

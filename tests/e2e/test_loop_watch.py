@@ -17,7 +17,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from structlog.testing import capture_logs
 
-from e2e._launch.loop_watch import METRIC_NAMES, LoopWatch, run_watched, stack_of
+from e2e._launch.loop_watch import METRIC_NAMES, GcClock, LoopWatch, run_watched, stack_of
 from e2e._launch.spawn import ServerProcess
 
 pytestmark = pytest.mark.anyio
@@ -68,6 +68,19 @@ def _cyclic_garbage(count: int) -> None:
     for _ in range(count):
         cycle: list[Any] = []
         cycle.append(cycle)
+
+
+def test_the_collector_s_clock_can_be_cpu_time_rather_than_the_wall_s() -> None:
+    """``bench hotpath`` reads collections in the collecting thread's CPU time (D427), so a
+    collection that waited for a core under load is not counted as CPU it never took."""
+    import gc
+
+    ticks = iter(range(0, 1000, 5))
+    with GcClock(clock=lambda: float(next(ticks))) as clock:
+        gc.collect()
+        gc.collect()
+    assert clock.collections == 2
+    assert clock.seconds == 10.0  # two collections, 5 of the given clock's units each
 
 
 async def test_a_stall_says_how_much_of_it_the_garbage_collector_took() -> None:

@@ -21,7 +21,7 @@ import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 FINGERPRINT_VERSION: Final = 1
 """Version of the fingerprint and conversation-digest layouts below; rows of another version
@@ -70,16 +70,19 @@ RequestItems = Sequence[RequestItem | Mapping[str, Any]]
 """Request items as models or as the plain dicts a request body carries."""
 
 
+_REQUEST_ITEMS: Final = TypeAdapter(list[RequestItem])
+"""Validates a whole request's items in one call: about half the cost of one ``model_validate``
+per item, which a long conversation pays on every captured call (D430)."""
+
+
 def as_request_items(items: RequestItems) -> list[RequestItem]:
-    """Validate request items (dicts become ``RequestItem``).
+    """Validate request items (dicts become ``RequestItem``; items already validated are kept
+    as they are).
 
     Raises:
-        pydantic.ValidationError: An item is malformed.
+        pydantic.ValidationError: An item is malformed (its location starts with its index).
     """
-    return [
-        item if isinstance(item, RequestItem) else RequestItem.model_validate(item)
-        for item in items
-    ]
+    return _REQUEST_ITEMS.validate_python(items if isinstance(items, list | tuple) else list(items))
 
 
 def _field(value: str) -> bytes:

@@ -288,19 +288,22 @@ async def test_a_call_waiting_at_admission_when_its_attempt_is_retired_gets_stal
 async def test_a_call_validates_its_conversation_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # D261: the request digest, the lineage matcher and the custody row share one validation.
+    # D261: the request digest, the lineage matcher and the custody row share one validation
+    # (D430: of the whole list at once; an item validated already is passed through).
+    import protocols._lineage as lineage
     from protocols import RequestItem
 
     async with policy(tmp_path) as (client, _app):
         messages = await conversation(client, "r1", 2)
-        real = RequestItem.model_validate.__func__  # type: ignore[attr-defined]
+        real = lineage._REQUEST_ITEMS
         validated: list[Any] = []
 
-        def counting(cls: type[RequestItem], obj: Any, *args: Any, **kwargs: Any) -> Any:
-            validated.append(obj)
-            return real(cls, obj, *args, **kwargs)
+        class Counting:
+            def validate_python(self, items: Any) -> Any:
+                validated.extend(item for item in items if not isinstance(item, RequestItem))
+                return real.validate_python(items)
 
-        monkeypatch.setattr(RequestItem, "model_validate", classmethod(counting))
+        monkeypatch.setattr(lineage, "_REQUEST_ITEMS", Counting())
         content_of(await chat(client, "r1", messages))
         monkeypatch.undo()
         manifest = (await client.get(MANIFEST.format("r1"), headers=AUTH)).json()

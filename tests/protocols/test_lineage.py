@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from protocols import (
     conversation_digest,
     custody_row,
@@ -121,3 +123,21 @@ def test_the_digests_and_the_ledger_line_are_byte_for_byte_stable() -> None:
         b'fa3f92aa24ece37399518e689b537072ec11c0feb6f0e279fdc99","staging_key":"stage/r-a1/call-2"'
         b',"weight_version":1}\n'
     )
+
+
+def test_request_items_are_validated_as_one_list_keeping_the_validated_ones() -> None:
+    """D430: dicts become items, items validated already are the same objects, and a bad item
+    is named by its index."""
+    from pydantic import ValidationError
+
+    from protocols import as_request_items
+    from protocols._lineage import RequestItem
+
+    kept = RequestItem(role="assistant", content="done")
+    items = as_request_items(({"role": "user", "content": "hi"}, kept))
+    assert items == [RequestItem(role="user", content="hi"), kept]
+    assert items[1] is kept
+    assert as_request_items(tuple(items)) == items  # a tuple, as a commit keeps them
+    with pytest.raises(ValidationError) as refused:
+        as_request_items([kept, {"role": ""}])
+    assert refused.value.errors()[0]["loc"] == (1, "role")

@@ -291,12 +291,10 @@ def run_hotpath_bench(
                     {"role": "tool", "content": _tool_output(turn, tool_bytes)},
                 ]
             started, started_cpu = time.perf_counter(), clock()
-            if len(keys) == 1:
-                await hop.run(partial(floor.read, keys[0]))
-                await hop.run(partial(floor.append, keys[0], line))
-            else:  # the least a wave can do: its reads, then its appends, one round trip each
-                await hop.run(partial(floor.read_many, keys))
-                await hop.run(partial(floor.append_many, keys, line))
+            # The least a wave can do (a call, for a wave of one): its reads, then its appends,
+            # one round trip each.
+            await hop.run(partial(floor.read_many, keys))
+            await hop.run(partial(floor.append_many, keys, line))
             floor_cpu += clock() - started_cpu
             floor_wall += time.perf_counter() - started
 

@@ -81,11 +81,8 @@ def test_processes_and_its_older_name_workers_start_the_same_server(
 
 
 def _thresholds_logged(log: Path) -> list[list[int]]:
-    found = []
-    for line in log.read_text().splitlines():
-        if line.startswith("{") and json.loads(line).get("event") == "collector_thresholds":
-            found.append(json.loads(line)["thresholds"])
-    return found
+    logged = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
+    return [event["thresholds"] for event in logged if event.get("event") == "collector_thresholds"]
 
 
 def test_every_server_process_takes_the_collector_s_thresholds_from_the_environment(

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_random_exponential
+
 from protocols import decode_json
 
 from .._storage.durable import make_directory_durable
@@ -226,6 +228,33 @@ def insert_rows(conn: sqlite3.Connection, rows: Sequence[tuple[str, str, int, by
     return seqs
 
 
+def _refused_at_once(error: BaseException) -> bool:
+    """SQLite answered busy or locked (its extended codes included)."""
+    return isinstance(error, sqlite3.OperationalError) and (error.sqlite_errorcode & 0xFF) in (
+        sqlite3.SQLITE_BUSY,
+        sqlite3.SQLITE_LOCKED,
+    )
+
+
+def _enter_wal(conn: sqlite3.Connection) -> None:
+    """Put the database in WAL mode, waiting out other processes that open it at the same moment.
+
+    Leaving the rollback journal takes a write lock over a read lock already held, and SQLite
+    refuses that at once, without its busy handler, while another connection holds a write lock
+    (so two such connections cannot wait on each other forever). Processes that create one
+    ledger together meet it; the switch is idempotent, so it is retried until the busy timeout
+    (D431).
+    """
+    for attempt in Retrying(
+        retry=retry_if_exception(_refused_at_once),
+        stop=stop_after_delay(BUSY_TIMEOUT_S),
+        wait=wait_random_exponential(multiplier=0.005, max=0.25),
+        reraise=True,
+    ):
+        with attempt:
+            conn.execute("PRAGMA journal_mode = WAL")
+
+
 class LedgerDatabase:
     """One ledger database file: created with its schema, then pooled connections.
 
@@ -253,7 +282,7 @@ class LedgerDatabase:
     def _create(self) -> None:
         new = not self.path.exists()
         with self.connection() as conn, self._write_lock:
-            conn.execute("PRAGMA journal_mode = WAL")
+            _enter_wal(conn)
             version = conn.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, SCHEMA_VERSION):
                 raise RuntimeError(

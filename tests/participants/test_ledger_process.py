@@ -91,7 +91,8 @@ class Worker:
 
     def stop(self, *, kill: bool = False) -> None:
         if kill:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # its whole group is gone already
+                os.killpg(self.process.pid, signal.SIGKILL)
         elif self.process.poll() is None:
             with contextlib.suppress(BrokenPipeError):
                 self.send("quit")
@@ -114,9 +115,15 @@ def start(
     directory: Path, names: list[str], layout: str
 ) -> tuple[list[Worker], queue.Queue[tuple[str, str]]]:
     events: queue.Queue[tuple[str, str]] = queue.Queue()
-    workers = [Worker(directory, name, events, layout) for name in names]
-    ready = sorted(events.get(timeout=DEADLINE_S) for _ in workers)
-    assert ready == sorted((name, "ready") for name in names)
+    workers: list[Worker] = []
+    try:
+        workers.extend(Worker(directory, name, events, layout) for name in names)
+        ready = sorted(events.get(timeout=DEADLINE_S) for _ in workers)
+        assert ready == sorted((name, "ready") for name in names)
+    except BaseException:
+        for worker in workers:  # the ones that did start die with the test, not after it
+            worker.stop(kill=True)
+        raise
     return workers, events
 
 

@@ -164,6 +164,45 @@ async def test_a_database_of_another_schema_is_refused(tmp_path: Path) -> None:
         SqliteCaptureLedger(tmp_path)
 
 
+def writing_the_new_file(directory: Path) -> sqlite3.Connection:
+    """Another process's view of a ledger being created: a new database in its rollback journal,
+    inside a write transaction, as a process is between opening the file and switching it."""
+    directory.mkdir()
+    conn = sqlite3.connect(
+        directory / "ledger.sqlite3", isolation_level=None, check_same_thread=False
+    )
+    conn.execute("CREATE TABLE early (a)")
+    conn.execute("BEGIN IMMEDIATE")
+    return conn
+
+
+def test_a_ledger_opened_while_another_process_creates_it_waits_for_it(tmp_path: Path) -> None:
+    # SQLite refuses the switch to WAL at once, without its busy handler, while another
+    # connection holds a write lock: three workers opening one new directory met it (D431).
+    other = writing_the_new_file(tmp_path / "ledger")
+    released = threading.Timer(0.3, other.execute, ("COMMIT",))
+    released.start()
+    try:
+        opened = SqliteCaptureLedger(tmp_path / "ledger")
+    finally:
+        released.join()
+        other.close()
+    assert stored(opened, "PRAGMA journal_mode") == [("wal",)]
+    opened.close()
+
+
+def test_a_ledger_kept_locked_past_the_busy_timeout_is_still_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sqlite_db, "BUSY_TIMEOUT_S", 0.2)
+    other = writing_the_new_file(tmp_path / "ledger")
+    try:
+        with pytest.raises(sqlite3.OperationalError, match="locked"):
+            SqliteCaptureLedger(tmp_path / "ledger")
+    finally:
+        other.close()
+
+
 async def test_a_closed_ledger_refuses_work(ledger: SqliteCaptureLedger) -> None:
     await ledger.record(commit("r", 0))
     ledger.close()

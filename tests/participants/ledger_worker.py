@@ -7,6 +7,8 @@ then commands on stdin, one a line:
 - ``manifest KEY`` — prints ``retired`` or ``records <n>``
 - ``retire KEY,KEY,... freeze`` — retire; with ``freeze``, stops for good once the fences are
   synced, announcing ``at fences_synced`` (the parent then kills it)
+- ``open DIR`` — open (then close) a second ledger of the same layout on DIR; prints
+  ``opened`` or ``refused <error>``
 - ``quit``
 """
 
@@ -55,6 +57,12 @@ def main() -> None:
                 print(f"records {len(manifest.records)}", flush=True)
             except RolloutRetiredError:
                 print("retired", flush=True)
+        elif words[0] == "open":
+            try:
+                opened(Path(words[1])).close()
+                print("opened", flush=True)
+            except Exception as exc:  # the parent names what failed
+                print(f"refused {exc!r}", flush=True)
         elif words[0] == "retire":
             freeze["on"] = len(words) > 2 and words[2] == "freeze"
             result = anyio.run(ledger.retire, words[1].split(","))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -37,7 +38,8 @@ def _spawn(directory: Path, step: str, records: int) -> subprocess.Popen[str]:
 
 
 def _kill(process: subprocess.Popen[str]) -> None:
-    os.killpg(process.pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):  # its whole group is gone already
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait(timeout=10)
     if process.stdout is not None:
         process.stdout.close()
@@ -57,10 +59,12 @@ def _assert_none_or_verifiable(directory: Path) -> bool:
 @pytest.mark.parametrize("step", WRITE_STEPS)
 def test_sigkill_at_each_step(tmp_path: Path, step: str) -> None:
     process = _spawn(tmp_path, step, 500)
-    assert process.stdout is not None
-    line = process.stdout.readline().strip()
-    assert line == f"at {step}"
-    _kill(process)
+    try:
+        assert process.stdout is not None
+        line = process.stdout.readline().strip()
+        assert line == f"at {step}"
+    finally:  # killed even when it says something else: it must not outlive the test
+        _kill(process)
     published = _assert_none_or_verifiable(tmp_path)
     # Before the hard link there is no manifest; from the link on, there is a verifiable one.
     assert published == (WRITE_STEPS.index(step) >= WRITE_STEPS.index("manifest_linked"))
@@ -72,10 +76,12 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
     for _round in range(6):
         root = tmp_path / f"round{_round}"
         process = _spawn(root, "none", 3000)
-        assert process.stdout is not None
-        assert process.stdout.readline().startswith("start")
-        time.sleep(rng.uniform(0.05, 0.4))
-        _kill(process)
+        try:
+            assert process.stdout is not None
+            assert process.stdout.readline().startswith("start")
+            time.sleep(rng.uniform(0.05, 0.4))
+        finally:
+            _kill(process)
         for directory in sorted(p for p in root.iterdir() if p.is_dir()):
             _assert_none_or_verifiable(directory)
             checked += 1

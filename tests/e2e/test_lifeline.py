@@ -69,9 +69,23 @@ def _harness(tmp_path: Path, roles: str) -> tuple[subprocess.Popen[str], list[in
         text=True,
         start_new_session=True,
     )
-    assert process.stdout is not None
-    servers: list[int] = json.loads(process.stdout.readline())
+    try:
+        assert process.stdout is not None
+        servers: list[int] = json.loads(process.stdout.readline())
+    except BaseException:
+        _end_harness(process)  # a harness that never listed its servers must not outlive the test
+        raise
     return process, servers
+
+
+def _end_harness(process: subprocess.Popen[str]) -> None:
+    """SIGKILL the harness's whole group while it runs, and reap it."""
+    if process.poll() is None:  # once reaped, its pid may name another process
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
+    if process.stdout is not None:
+        process.stdout.close()
 
 
 def _kill_groups(pgids: list[int]) -> None:
@@ -101,8 +115,7 @@ def test_servers_and_their_shards_die_when_the_harness_is_sigkilled(tmp_path: Pa
         process.wait(timeout=10)
         assert _wait_gone(members) == [], "orphans outlived the harness"
     finally:
-        assert process.stdout is not None
-        process.stdout.close()
+        _end_harness(process)
         _kill_groups(servers)
 
 
@@ -116,5 +129,5 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(tmp_path: Path, sig: signal.Sig
         assert process.returncode == 0
         assert _wait_gone(servers, within=5.0) == []
     finally:
-        process.kill()
+        _end_harness(process)
         _kill_groups(servers)

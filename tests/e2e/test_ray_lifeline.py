@@ -56,10 +56,12 @@ def test_the_head_its_actors_and_their_shards_die_when_the_harness_is_sigkilled(
         start_new_session=True,
     )
     assert process.stdout is not None
-    started = json.loads(process.stdout.readline())
-    pids: list[int] = started["pids"]
-    temp_dir = Path(started["temp_dir"])
+    pids: list[int] = []
+    temp_dir: Path | None = None
     try:
+        started = json.loads(process.stdout.readline())
+        pids = started["pids"]
+        temp_dir = Path(started["temp_dir"])
         # Ray's own processes and five server actors (worker, policy, resources, agent,
         # environment), with resources' two shard processes (`python -m e2e serve resources`).
         command_lines = [Path(f"/proc/{p}/cmdline").read_text() for p in pids]
@@ -70,8 +72,12 @@ def test_the_head_its_actors_and_their_shards_die_when_the_harness_is_sigkilled(
         assert wait_gone(pids, 60.0) == [], "processes outlived the harness"
         assert processes_of(started["id"], temp_dir) == []
     finally:
+        if process.poll() is None:  # the harness too, when the test failed before killing it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=10)
         process.stdout.close()
         for pid in pids:  # never leave them behind, even when the test fails
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        if temp_dir is not None:
+            shutil.rmtree(temp_dir, ignore_errors=True)

@@ -25,13 +25,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-import re
 import struct
 from collections.abc import Sequence
 from typing import Final
 
 from ._layout import check_staged_layout
-from ._records import SHA256_HEX_PATTERN
+from ._records import is_sha256_hex
 from ._strict import (
     EXACT_FLOAT_TYPES,
     EXTRAS_DIGEST_VERSION,
@@ -49,7 +48,6 @@ _CALL_DIGEST_HEAD: Final = CALL_DIGEST_DOMAIN + bytes(
 _ROOT_CHAIN_HEAD: Final = CHAIN_HASH_DOMAIN + b"\x00"
 
 _U64_MAX: Final = 2**64 - 1
-_DIGEST = re.compile(SHA256_HEX_PATTERN)
 _EXACT_INT: Final = frozenset({int})
 # The checks below run per token on every staged record. Each first tries the whole column at C
 # speed (the set of its element types; one struct call) and only on a failure walks it item by
@@ -89,7 +87,7 @@ def _text(value: str, *, field: str) -> bytes:
 
 
 def _digest_bytes(value: str, *, field: str) -> bytes:
-    if not isinstance(value, str) or not _DIGEST.fullmatch(value):
+    if not is_sha256_hex(value):
         raise ValueError(f"{field} must be a lowercase SHA-256 hex digest")
     return bytes.fromhex(value)
 

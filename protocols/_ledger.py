@@ -23,7 +23,7 @@ from ._lineage import (
     assistant_fingerprint,
     conversation_digest,
 )
-from ._records import SHA256_HEX_PATTERN
+from ._records import is_sha256_hex
 
 MAX_LEDGER_BATCH: Final = 4096
 """Most ids one retire or delete request may carry."""
@@ -44,7 +44,6 @@ POISON_REASONS: Final = frozenset(
 """The failure reasons the policy server writes; ``record_failure`` accepts any non-empty one."""
 
 _LEDGER_KEY = re.compile(r"^[A-Za-z0-9._-]+$")
-_SHA256_HEX: Final = re.compile(SHA256_HEX_PATTERN)
 MAX_LEDGER_KEY_LENGTH: Final = 224
 """Longest ledger key: with its longest suffix (``.lineage.started``) a file name stays well under
 255 bytes. Every capture key fits (a rollout id of 200 characters, ``-a`` and four digits)."""
@@ -119,7 +118,7 @@ class CaptureLedgerCommit(BaseModel):
         Raises:
             ValueError: ``digest`` is not a lowercase SHA-256 hex digest.
         """
-        if not isinstance(digest, str) or not _SHA256_HEX.fullmatch(digest):
+        if not is_sha256_hex(digest):
             raise ValueError("a context digest must be a lowercase SHA-256 hex digest")
         self._context_digest = digest
         return self

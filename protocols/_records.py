@@ -26,6 +26,7 @@ RECORDS_FILE_PATTERN: Final = r"^records(-[0-9a-f]{64})?\.jsonl$"
 """Records file names a reader accepts; ``records.jsonl`` is the name older checkpoints used."""
 _RECORDS_FILE = re.compile(RECORDS_FILE_PATTERN)
 SHA256_HEX_PATTERN: Final = r"^[0-9a-f]{64}$"
+_SHA256_HEX = re.compile(SHA256_HEX_PATTERN)
 MANIFEST_CORE_FIELDS: Final = frozenset(
     {
         "schema_version",
@@ -58,9 +59,14 @@ class ParticipantManifest(BaseModel):
     record_count: int = Field(ge=0)
 
 
+def is_sha256_hex(value: object) -> bool:
+    """Whether ``value`` is a lowercase SHA-256 hex digest (``SHA256_HEX_PATTERN``)."""
+    return isinstance(value, str) and _SHA256_HEX.fullmatch(value) is not None
+
+
 def records_file_name(records_sha256: str) -> str:
     """The published name of a records file with this digest."""
-    if not re.fullmatch(SHA256_HEX_PATTERN, records_sha256):
+    if not is_sha256_hex(records_sha256):
         raise ValueError(f"not a SHA-256 hex digest: {records_sha256!r}")
     return f"records-{records_sha256}.jsonl"
 

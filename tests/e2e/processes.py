@@ -70,7 +70,7 @@ def _read_url(process: subprocess.Popen[bytes]) -> str:
     raise AssertionError(f"the server never reported its port; stdout so far: {seen!r}")
 
 
-def kill_group(process: subprocess.Popen[bytes]) -> None:
+def kill_group(process: subprocess.Popen[Any]) -> None:
     """SIGKILL the process group, reap the process and close its pipes."""
     if process.poll() is None:
         with contextlib.suppress(ProcessLookupError):  # it may have died on its own meanwhile

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from .processes import kill_group
+
 pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 HARNESS = textwrap.dedent(
@@ -73,19 +75,9 @@ def _harness(tmp_path: Path, roles: str) -> tuple[subprocess.Popen[str], list[in
         assert process.stdout is not None
         servers: list[int] = json.loads(process.stdout.readline())
     except BaseException:
-        _end_harness(process)  # a harness that never listed its servers must not outlive the test
+        kill_group(process)  # a harness that never listed its servers must not outlive the test
         raise
     return process, servers
-
-
-def _end_harness(process: subprocess.Popen[str]) -> None:
-    """SIGKILL the harness's whole group while it runs, and reap it."""
-    if process.poll() is None:  # once reaped, its pid may name another process
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
-    if process.stdout is not None:
-        process.stdout.close()
 
 
 def _kill_groups(pgids: list[int]) -> None:
@@ -115,7 +107,7 @@ def test_servers_and_their_shards_die_when_the_harness_is_sigkilled(tmp_path: Pa
         process.wait(timeout=10)
         assert _wait_gone(members) == [], "orphans outlived the harness"
     finally:
-        _end_harness(process)
+        kill_group(process)
         _kill_groups(servers)
 
 
@@ -129,5 +121,5 @@ def test_sigterm_and_sighup_clean_up_like_ctrl_c(tmp_path: Path, sig: signal.Sig
         assert process.returncode == 0
         assert _wait_gone(servers, within=5.0) == []
     finally:
-        _end_harness(process)
+        kill_group(process)
         _kill_groups(servers)

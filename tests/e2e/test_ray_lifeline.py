@@ -21,6 +21,8 @@ import pytest
 
 from e2e._launch.ray_head import processes_of, wait_gone
 
+from .processes import kill_group
+
 pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 
 HARNESS = textwrap.dedent(
@@ -72,10 +74,7 @@ def test_the_head_its_actors_and_their_shards_die_when_the_harness_is_sigkilled(
         assert wait_gone(pids, 60.0) == [], "processes outlived the harness"
         assert processes_of(started["id"], temp_dir) == []
     finally:
-        if process.poll() is None:  # the harness too, when the test failed before killing it
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=10)
-        process.stdout.close()
+        kill_group(process)  # the harness too, when the test failed before killing it
         for pid in pids:  # never leave them behind, even when the test fails
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +12,7 @@ import pytest
 
 from participants import WRITE_STEPS, read_participant_checkpoint
 from protocols import InvalidCheckpointStateError
+from tests.e2e.processes import kill_group
 
 pytestmark = pytest.mark.process
 REPO = Path(__file__).resolve().parents[2]
@@ -37,14 +35,6 @@ def _spawn(directory: Path, step: str, records: int) -> subprocess.Popen[str]:
     )
 
 
-def _kill(process: subprocess.Popen[str]) -> None:
-    with contextlib.suppress(ProcessLookupError):  # its whole group is gone already
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait(timeout=10)
-    if process.stdout is not None:
-        process.stdout.close()
-
-
 def _assert_none_or_verifiable(directory: Path) -> bool:
     """True when a manifest exists (and then it verifies), False when none does."""
     if not (directory / "manifest.json").exists():
@@ -64,7 +54,7 @@ def test_sigkill_at_each_step(tmp_path: Path, step: str) -> None:
         line = process.stdout.readline().strip()
         assert line == f"at {step}"
     finally:  # killed even when it says something else: it must not outlive the test
-        _kill(process)
+        kill_group(process)
     published = _assert_none_or_verifiable(tmp_path)
     # Before the hard link there is no manifest; from the link on, there is a verifiable one.
     assert published == (WRITE_STEPS.index(step) >= WRITE_STEPS.index("manifest_linked"))
@@ -81,7 +71,7 @@ def test_sigkill_at_random_moments(tmp_path: Path) -> None:
             assert process.stdout.readline().startswith("start")
             time.sleep(rng.uniform(0.05, 0.4))
         finally:
-            _kill(process)
+            kill_group(process)
         for directory in sorted(p for p in root.iterdir() if p.is_dir()):
             _assert_none_or_verifiable(directory)
             checked += 1

@@ -71,6 +71,7 @@ from ._errors import (
 )
 from ._hashes import compute_chain_hash, hash_token_ids, root_call_hashes
 from ._ids import (
+    MAX_ATTEMPT,
     EpisodeId,
     attempts_through,
     capture_key,
@@ -208,6 +209,7 @@ __all__ = [
     "LEDGER_CONTROL_PREFIX",
     "MANIFEST_FILE",
     "MANIFEST_SPAN",
+    "MAX_ATTEMPT",
     "MAX_COMPLETION_TOKENS",
     "MAX_LEDGER_BATCH",
     "MAX_REPORTED_BLOCKERS",

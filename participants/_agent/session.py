@@ -181,7 +181,10 @@ class AgentSession:
             episode_id,
             state.task_input,
             state.resources_session_id,
-            [message.model_dump() for message in state.conversation],
+            # A message's fields are two strings: its ``__dict__`` is its dump, copied ten
+            # times faster than ``model_dump`` builds it, once per message of every session
+            # a restore installs (D432).
+            [dict(message.__dict__) for message in state.conversation],
             state.completed_activation,
             state.turn_in_activation,
             state.stored_reply,

@@ -8,12 +8,15 @@ servers without depending on HTTP.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from protocols import EpisodeId
+
+from .._runtime.restore_batch import RestoreScope, validate_batch
 
 VerifyMode = Literal["wait", "replay"]
 
@@ -66,6 +69,39 @@ class EnvironmentRecord(BaseModel):
 
 ENVIRONMENT_RECORDS: TypeAdapter[list[EnvironmentRecord]] = TypeAdapter(list[EnvironmentRecord])
 """A whole restore's environment records, validated in one call (D265)."""
+
+
+def restored_records(
+    records: Sequence[Mapping[str, Any]], scope: Sequence[EpisodeId]
+) -> dict[str, EnvironmentRecord]:
+    """Every record validated and moved to its next attempt, keyed by that attempt's capture key.
+
+    A record naming a scoped attempt is validated with the next attempt already in its place,
+    so its id is neither validated again nor swapped in by a copy afterwards (D432); any other
+    record is validated as it is, and then moved.
+
+    Raises:
+        InvalidCheckpointStateError: A record is malformed (``environment record <index> ...``).
+    """
+    indexed = RestoreScope.of(scope)
+    sources = [
+        indexed.lookup(record.get("episode_id")) if type(record) is dict else None
+        for record in records
+    ]
+    batch = [
+        record if source is None else {**record, "episode_id": indexed.next_attempt(source)}
+        for record, source in zip(records, sources, strict=True)
+    ]
+    moved: dict[str, EnvironmentRecord] = {}
+    for record, source in zip(
+        validate_batch(ENVIRONMENT_RECORDS, batch, "environment record"), sources, strict=True
+    ):
+        if source is None:
+            record = record.model_copy(
+                update={"episode_id": indexed.next_attempt(record.episode_id)}
+            )
+        moved[record.episode_id.capture_key] = record
+    return moved
 
 
 @dataclass(frozen=True)

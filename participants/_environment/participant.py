@@ -38,11 +38,9 @@ from protocols import (
 from .._runtime.clock import Clock, SystemClock
 from .._runtime.participant import BaseParticipant, Record
 from .._runtime.report import build_report
-from .._runtime.restore_batch import RestoreScope, validate_batch
 from .deadline import EpisodeDeadline
 from .models import (
     BOUNDARY_ADAPTER,
-    ENVIRONMENT_RECORDS,
     Boundary,
     BoundaryCommon,
     EnvironmentPeers,
@@ -51,6 +49,7 @@ from .models import (
     InvokeAgentBoundary,
     ReturnBoundary,
     VerifyBoundary,
+    restored_records,
 )
 from .steps import EpisodeSteps, StepMode, TrackedEpisode
 
@@ -343,14 +342,7 @@ class EnvironmentParticipant(BaseParticipant):
         """
         if self.steps.episodes or self.restored:
             raise CheckpointError("restore requires a process without live episodes")
-        indexed = RestoreScope.of(scope)
-        replacements: dict[str, EnvironmentRecord] = {}
-        for record in validate_batch(ENVIRONMENT_RECORDS, records, "environment record"):
-            replacement = indexed.next_attempt(record.episode_id)
-            replacements[replacement.capture_key] = record.model_copy(
-                update={"episode_id": replacement}
-            )
-        self.restored = replacements
+        self.restored = restored_records(records, scope)
         self.awaiting_resume = True
         self.changes.notify()
 

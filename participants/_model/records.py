@@ -70,7 +70,7 @@ def checked_restore(
     """
     indexed = RestoreScope.of(scope)
     ledgers: dict[str, list[dict[str, Any]]] = {
-        indexed.next_attempt(episode).capture_key: [] for episode in indexed
+        indexed.next_key(episode): [] for episode in indexed
     }
     sources = [_checked_record(record, index, indexed) for index, record in enumerate(records)]
     with_cut = [index for index, record in enumerate(records) if record["generation_cuts"]]
@@ -83,9 +83,9 @@ def checked_restore(
         ) from None
     cuts: dict[str, GenerationCutRecord] = {}
     for index, cut in zip(with_cut, checked, strict=True):
-        cuts[indexed.next_attempt(sources[index]).capture_key] = cut
+        cuts[indexed.next_key(sources[index])] = cut
     for source, record in zip(sources, records, strict=True):
-        target = indexed.next_attempt(source).capture_key
+        target = indexed.next_key(source)
         ledgers[target] = stamp_carried_rows(source, record["rows"])
     return ledgers, cuts
 

@@ -20,6 +20,7 @@ from protocols import (
     CheckpointConflictError,
     CheckpointError,
     DeadlineExceededError,
+    EpisodeId,
     Phase,
     PhaseEvent,
     RestoreReply,
@@ -45,22 +46,50 @@ if TYPE_CHECKING:
     from .procedure import PlaneAccess
 
 
-def _in_scope(scope: RestoreScope, record: dict[str, Any]) -> bool:
-    try:
-        return scope.in_scope(record["episode_id"])
-    except (KeyError, TypeError, ValidationError):
-        return True  # kept, so that validation refuses the whole restore
+class _ScopeSelection:
+    """The read's filter: keeps the records of the scope, and remembers whom each one names.
 
+    The read calls it once per record, in order, and keeps the records it answers ``True`` for;
+    ``named`` then holds, for each kept record, the scoped attempt it names, or ``None`` where it
+    had to be validated in full (``_restored_keys`` looks that one up again). Remembering spares
+    a second lookup per record on the event loop (D432).
+    """
 
-def _restored_keys(records: Sequence[Record], scope: RestoreScope) -> list[str]:
-    """The sorted capture keys of the next attempts the records install."""
-    keys = []
-    for index, record in enumerate(records):
+    def __init__(self, scope: RestoreScope) -> None:
+        self._scope = scope
+        self.named: list[EpisodeId | None] = []
+
+    def __call__(self, record: dict[str, Any]) -> bool:
+        found = self._scope.lookup(record.get("episode_id"))
+        if found is not None:
+            self.named.append(found)
+            return True
         try:
-            episode = scope.episode(record["episode_id"])
+            kept = self._scope.in_scope(record["episode_id"])
         except (KeyError, TypeError, ValidationError):
-            episode = record_episode(record, index)  # raises with the record's index
-        keys.append(scope.next_attempt(episode).capture_key)
+            kept = True  # kept, so that validation refuses the whole restore
+        if kept:
+            self.named.append(None)
+        return kept
+
+
+def _restored_keys(
+    records: Sequence[Record], scope: RestoreScope, named: Sequence[EpisodeId | None]
+) -> list[str]:
+    """The sorted capture keys of the next attempts the records install.
+
+    ``named`` is the read's selection: the scoped attempt of each record, where it was found.
+    """
+    if len(named) != len(records):
+        named = [None] * len(records)
+    keys = []
+    for index, (record, episode) in enumerate(zip(records, named, strict=True)):
+        if episode is None:
+            try:
+                episode = scope.episode(record["episode_id"])
+            except (KeyError, TypeError, ValidationError):
+                episode = record_episode(record, index)  # raises with the record's index
+        keys.append(scope.next_key(episode))
     return sorted(keys)
 
 
@@ -126,6 +155,7 @@ class RestoreProcedure:
                 plane.renew_lease(deadline)
                 return stored
             self._refuse_live_process()
+        selection = _ScopeSelection(scope)
         share = await anyio.to_thread.run_sync(
             functools.partial(
                 _read_paused,
@@ -133,7 +163,7 @@ class RestoreProcedure:
                 request.checkpoint_id,
                 kind=participant.kind,
                 instance=participant.instance,
-                select=functools.partial(_in_scope, scope),
+                select=selection,
             )
         )
         records = share.records
@@ -142,7 +172,7 @@ class RestoreProcedure:
         set_checkpoint_attributes(
             trace.get_current_span(), source=share.manifest.get("checkpoint_id")
         )
-        restored = _restored_keys(records, scope)
+        restored = _restored_keys(records, scope, selection.named)
         if plane.clock.time() >= deadline:
             raise DeadlineExceededError("the deadline passed while reading the checkpoint")
         await self.wait_for_install(deadline)

@@ -11,7 +11,8 @@ restore at thousands of rollouts (``docs/performance.md``, "Restore"; D264).
 does) with an index by ``(rollout_id, attempt)``: a record whose ``episode_id`` is a plain JSON
 object naming a scoped attempt *is* that attempt, already validated, and is looked up; anything
 else goes through ``EpisodeId.model_validate`` exactly as before, so a malformed record is refused
-with the same error. Next attempts are built once per episode and shared.
+with the same error. Next attempts are built once per episode and shared, and a step that needs
+only a next attempt's capture key gets the key without the episode.
 
 :func:`validate_batch` validates a whole list through one ``TypeAdapter`` call instead of one
 ``model_validate`` per record, and names the first record that failed, as the per-record loop did.
@@ -24,7 +25,7 @@ from typing import Any, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
 
-from protocols import EpisodeId, InvalidCheckpointStateError
+from protocols import MAX_ATTEMPT, EpisodeId, InvalidCheckpointStateError
 
 T = TypeVar("T")
 
@@ -36,12 +37,13 @@ class RestoreScope(Sequence[EpisodeId]):
         episodes: The scope, as the restore request gave it (order kept, repeats kept).
     """
 
-    __slots__ = ("_episodes", "_index", "_next")
+    __slots__ = ("_episodes", "_index", "_next", "_next_keys")
 
     def __init__(self, episodes: Iterable[EpisodeId]) -> None:
         self._episodes = list(episodes)
         self._index = {(e.rollout_id, e.attempt): e for e in self._episodes}
         self._next: dict[tuple[str, int], EpisodeId] = {}
+        self._next_keys: dict[tuple[str, int], str] = {}
 
     @classmethod
     def of(cls, scope: Sequence[EpisodeId]) -> RestoreScope:
@@ -109,6 +111,22 @@ class RestoreScope(Sequence[EpisodeId]):
         found = self._next.get(key)
         if found is None:
             found = self._next[key] = episode.next_attempt()
+        return found
+
+    def next_key(self, episode: EpisodeId) -> str:
+        """``self.next_attempt(episode).capture_key``, without building the next attempt.
+
+        Where a step needs only the key (the restored keys of a reply, a model's ledgers), the
+        key is formatted as ``EpisodeId.capture_key`` formats it, once per episode (D432): a
+        next attempt is always attempt 1 or later. The last attempt, which has none, goes
+        through :meth:`next_attempt` and is refused there.
+        """
+        key = (episode.rollout_id, episode.attempt)
+        found = self._next_keys.get(key)
+        if found is None:
+            if episode.attempt >= MAX_ATTEMPT:
+                return self.next_attempt(episode).capture_key  # raises
+            found = self._next_keys[key] = f"{episode.rollout_id}-a{episode.attempt + 1}"
         return found
 
 

@@ -60,10 +60,8 @@ def restored_sessions(
     )
     restored: dict[str, RestoredAgentSession] = {}
     for source, state in zip(sources, states, strict=True):
-        replacement = indexed.next_attempt(source)
-        if replacement.capture_key in restored:
+        key = indexed.next_key(source)
+        if key in restored:
             raise InvalidCheckpointStateError(f"{source.capture_key} is recorded twice")
-        restored[replacement.capture_key] = RestoredAgentSession(
-            replacement.capture_key, replacement, state
-        )
+        restored[key] = RestoredAgentSession(key, indexed.next_attempt(source), state)
     return restored

@@ -106,18 +106,19 @@ def doomed_keys(names: Iterable[str], targets: Iterable[str]) -> dict[str, list[
     target's or later. Look-alikes (``r1-a2`` or ``r-a1x-a3`` for target ``r``) are other
     rollouts and are left alone.
     """
+    # One regular expression per name: the directory holds every ledger of the server, so this
+    # loop runs over far more names than the batch has targets (D258). A SQLite ledger's
+    # directory holds no capture file at all, and then the targets are not even split (D434).
+    match = _CAPTURE_NAME.fullmatch
+    parsed_names = [(name, parsed) for name in names if (parsed := match(name)) is not None]
+    if not parsed_names:
+        return {}
     floors: dict[str, int] = {}
     for target in targets:
         rollout, attempt = split_attempt(target)
         floors[rollout] = min(attempt, floors.get(rollout, attempt))
     doomed: dict[str, list[str]] = {}
-    # One regular expression per name: the directory holds every ledger of the server, so this
-    # loop runs over far more names than the batch has targets (D258).
-    match = _CAPTURE_NAME.fullmatch
-    for name in names:
-        parsed = match(name)
-        if parsed is None:
-            continue
+    for name, parsed in parsed_names:
         name_rollout, digits, suffix = parsed.groups()
         floor = floors.get(name_rollout)
         if floor is not None and (0 if digits is None else int(digits)) >= floor:

@@ -94,7 +94,7 @@ _CUTS: TypeAdapter[list[GenerationCutRecord]] = TypeAdapter(list[GenerationCutRe
 
 
 def _checked_record(record: Record, index: int, scope: RestoreScope) -> EpisodeId:
-    if not isinstance(record, Mapping) or set(record) != MODEL_RECORD_FIELDS:
+    if not isinstance(record, Mapping) or record.keys() != MODEL_RECORD_FIELDS:
         raise InvalidCheckpointStateError(
             f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
         )

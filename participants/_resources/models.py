@@ -73,6 +73,9 @@ class ResourcesAdmission:
     counted: bool
 
 
+_SESSION_RECORD_FIELDS: Final = frozenset({"episode_id", "session_id", "state"})
+
+
 def parse_session_records(
     records: Sequence[Mapping[str, Any]], scope: Sequence[EpisodeId] = ()
 ) -> tuple[dict[str, EpisodeId], dict[str, Any]]:
@@ -89,7 +92,7 @@ def parse_session_records(
     states: dict[str, Any] = {}
     for index, record in enumerate(records):
         session_id = record.get("session_id")
-        if set(record) != {"episode_id", "session_id", "state"} or not isinstance(session_id, str):
+        if record.keys() != _SESSION_RECORD_FIELDS or not isinstance(session_id, str):
             raise InvalidCheckpointStateError(f"record {index} is not a resources session")
         if not session_id or session_id in bound:
             raise InvalidCheckpointStateError(f"record {index}: bad or repeated session id")

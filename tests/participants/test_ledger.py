@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
+import participants._ledger.common as common
 from participants import FileCaptureLedger, MemoryCaptureLedger, SqliteCaptureLedger
 from participants._ledger.common import CAPTURE_FILE_SUFFIXES, doomed_keys, split_attempt
 from participants._ledger.staging import copy_entry
@@ -333,6 +334,21 @@ def test_doomed_keys_reads_every_name_as_split_attempt_and_the_suffixes_do(
         if rollout in floors and attempt >= floors[rollout]:
             expected.setdefault(key, []).append(suffix)
     assert doomed_keys(names, targets) == expected
+
+
+def test_doomed_keys_splits_no_target_where_no_name_is_a_capture_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # D434: a SQLite ledger's directory holds only its database; a restore's 16,000 targets
+    # were each split for nothing.
+    def refuse(key: str) -> tuple[str, int]:
+        raise AssertionError(f"{key} was split")
+
+    monkeypatch.setattr(common, "split_attempt", refuse)
+    names = ["ledger.sqlite3", "ledger.sqlite3-wal", "ledger.sqlite3-shm"]
+    assert doomed_keys(names, [f"r{i}-a1" for i in range(100)]) == {}
+    with pytest.raises(AssertionError, match="was split"):
+        doomed_keys([*names, "r7.lineage.jsonl"], ["r7"])
 
 
 async def test_export_rows_many_reads_each_id_as_export_rows_does_in_the_order_given(

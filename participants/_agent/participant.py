@@ -147,7 +147,7 @@ class AgentParticipant(BaseParticipant):
         session.restored_pending = False
         session.state = "running"
         session.scope = anyio.CancelScope()
-        session.stopped = anyio.Event()
+        stopped = session.stopped = anyio.Event()
         finished = False
         try:
             with session.scope:
@@ -159,7 +159,7 @@ class AgentParticipant(BaseParticipant):
             session.state = "idle"
             session.parked = False
             session.scope = None
-            session.stopped.set()
+            stopped.set()
             self.changes.notify()
         if not finished:  # cancelled by retire or close
             raise StaleAttemptError(f"{episode_id.capture_key} was retired or closed")
@@ -248,7 +248,8 @@ class AgentParticipant(BaseParticipant):
     async def _stop(self, session: AgentSession) -> None:
         if session.scope is not None:
             session.scope.cancel()
-        await session.stopped.wait()
+        if session.stopped is not None:  # an activation has run: wait until it has ended
+            await session.stopped.wait()
 
     # ------------------------------------------------------------------ participant interface
 

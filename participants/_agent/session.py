@@ -9,7 +9,7 @@ anything is installed.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal, Protocol
 
 import anyio
@@ -153,7 +153,8 @@ class AgentSession:
     retired: bool = False
     closing: bool = False
     scope: anyio.CancelScope | None = None
-    stopped: anyio.Event = field(default_factory=anyio.Event)
+    stopped: anyio.Event | None = None
+    """Set when the running activation has ended; ``None`` until one has started (D435)."""
     snapshot: Snapshot | None = None
 
     @classmethod
@@ -170,7 +171,6 @@ class AgentSession:
                 {"role": "user", "content": f"{episode_id.rollout_id} {task_input.seed}"},
             ],
         )
-        session.stopped.set()
         session.record_boundary("between_activations")
         return session
 
@@ -191,7 +191,6 @@ class AgentSession:
             held_reply=state.held_reply,
             restored_pending=True,
         )
-        session.stopped.set()
         kind: BoundaryKind = (
             "before_model_call" if state.turn_in_activation else "between_activations"
         )

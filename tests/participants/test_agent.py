@@ -383,3 +383,39 @@ async def test_a_retire_cancels_every_running_session_of_its_batch_before_it_wai
         finally:
             peers.wind_down.released.set()  # the shielded wind-downs must end, or a test hangs
     assert agent.sessions == {}
+
+
+async def test_retire_waits_only_for_an_activation_that_is_running() -> None:
+    """D435: a session no activation has run in has nothing to wait for; a running one does."""
+    peers = WindingDownPeers()
+    agent = AgentParticipant("agent", peers)
+    idle, running = EpisodeId(rollout_id="idle"), EpisodeId(rollout_id="running")
+    await agent.seed(idle, "s1", TASK)
+    await agent.seed(running, "s2", TASK)
+    assert agent.sessions["idle"].stopped is None
+    agent.marks.raise_to([idle])  # what the runtime does before it calls retire_many
+    with anyio.fail_after(5):
+        await agent.retire_many([idle])  # nothing runs: no wait
+    assert "idle" not in agent.sessions
+    retired = anyio.Event()
+
+    async def activate() -> None:
+        with contextlib.suppress(StaleAttemptError):
+            await agent.activate(running, 1)
+
+    async def retire() -> None:
+        await agent.retire_many([running])
+        retired.set()
+
+    async with anyio.create_task_group() as group:
+        try:
+            group.start_soon(activate)
+            await wait_all_tasks_blocked()
+            assert peers.model_calls == 1
+            agent.marks.raise_to([running])
+            group.start_soon(retire)
+            await wait_all_tasks_blocked()
+            assert not retired.is_set()  # the activation is still winding down
+        finally:
+            peers.wind_down.released.set()
+    assert retired.is_set() and agent.sessions == {}

@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Protocol, TypedDict
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from protocols import EpisodeId
+from protocols import EpisodeId, InvalidCheckpointStateError
 
 from .._runtime.restore_batch import RestoreScope, validate_batch
 
@@ -92,10 +92,14 @@ def restored_records(
         record if source is None else {**record, "episode_id": indexed.next_attempt(source)}
         for record, source in zip(records, sources, strict=True)
     ]
+    try:
+        validated = validate_batch(ENVIRONMENT_RECORDS, batch, "environment record")
+    except InvalidCheckpointStateError:
+        # Refused as read, so that the message shows the record's own episode id.
+        validate_batch(ENVIRONMENT_RECORDS, records, "environment record")
+        raise
     moved: dict[str, EnvironmentRecord] = {}
-    for record, source in zip(
-        validate_batch(ENVIRONMENT_RECORDS, batch, "environment record"), sources, strict=True
-    ):
+    for record, source in zip(validated, sources, strict=True):
         if source is None:
             record = record.model_copy(
                 update={"episode_id": indexed.next_attempt(record.episode_id)}

@@ -133,6 +133,11 @@ def test_a_malformed_environment_record_is_refused_by_its_index() -> None:
     ]
     with pytest.raises(InvalidCheckpointStateError, match=r"^environment record 1 is malformed"):
         restored_records(records, scope)
+    # A record refused whole shows the episode id it was read with, not its next attempt.
+    del records[1]["task_digest"]
+    with pytest.raises(InvalidCheckpointStateError) as refused:
+        restored_records(records, scope)
+    assert "'rollout_id': 'r2'" in str(refused.value) and "attempt=1" not in str(refused.value)
 
 
 def test_a_restored_agent_session_holds_its_messages_as_the_dumps_of_its_state() -> None:

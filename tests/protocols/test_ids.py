@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import pickle
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
+import protocols._ids as ids
 from protocols import (
     EpisodeId,
     InvalidRolloutIdError,
@@ -21,7 +24,13 @@ from protocols import (
     validate_ledger_key,
     validate_rollout_ids,
 )
-from protocols._ids import MAX_ATTEMPT, MAX_ROLLOUT_ID_LENGTH, validate_rollout_id
+from protocols._ids import (
+    MAX_ATTEMPT,
+    MAX_ROLLOUT_ID_LENGTH,
+    ROLLOUT_ID_PATTERN,
+    RolloutId,
+    validate_rollout_id,
+)
 from protocols._ledger import MAX_LEDGER_KEY_LENGTH
 
 VALID = ["a", "Z9", "rollout-1", "r.x_y-z", "x-a0", "x-a01", "x-ab1", "a-a", "7"]
@@ -50,6 +59,66 @@ def test_the_attempt_suffix_is_reserved() -> None:
 def test_a_non_string_rollout_id_fails() -> None:
     with pytest.raises(InvalidRolloutIdError):
         validate_rollout_id(12)
+
+
+def _follows_the_rule(rollout_id: object) -> bool:
+    try:
+        validate_rollout_id(rollout_id)
+    except InvalidRolloutIdError:
+        return False
+    return True
+
+
+def test_the_wire_pattern_is_the_rule_for_every_short_id_of_a_telling_alphabet() -> None:
+    # 'a' and '-' make the suffix, '0' and '1' decide whether digits after it are one, 'A' is
+    # every other letter, '.' and '_' the other punctuation, ' ' anything refused (D436).
+    pattern = re.compile(ROLLOUT_ID_PATTERN)
+    for length in range(1, 7):
+        for letters in itertools.product("aA01-._ ", repeat=length):
+            rollout_id = "".join(letters)
+            assert bool(pattern.search(rollout_id)) == _follows_the_rule(rollout_id), rollout_id
+
+
+WIRE_ROLLOUT_ID: TypeAdapter[str] = TypeAdapter(RolloutId)
+
+
+def _accepted_on_the_wire(rollout_id: object) -> bool:
+    try:
+        WIRE_ROLLOUT_ID.validate_python(rollout_id)
+    except ValidationError:
+        return False
+    return True
+
+
+@given(
+    st.text(alphabet=st.sampled_from("aAb019-._/é\n"), max_size=12)
+    | st.text(max_size=8)
+    | st.integers()
+    | st.sampled_from(["r" * MAX_ROLLOUT_ID_LENGTH, "r" * (MAX_ROLLOUT_ID_LENGTH + 1)])
+)
+def test_a_wire_model_accepts_exactly_the_ids_the_rule_accepts(rollout_id: object) -> None:
+    assert _accepted_on_the_wire(rollout_id) == _follows_the_rule(rollout_id)
+
+
+def test_a_wire_model_checks_rollout_ids_without_calling_python(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def refuse(rollout_id: object) -> str:
+        raise AssertionError("a wire model called the Python rule")
+
+    monkeypatch.setattr(ids, "validate_rollout_id", refuse)
+    assert EpisodeId.model_validate_json('{"rollout_id": "r-a0", "attempt": 2}').attempt == 2
+
+
+def test_a_refused_wire_rollout_id_names_the_whole_rule() -> None:
+    for bad in ("run-a3", "x" * (MAX_ROLLOUT_ID_LENGTH + 1), "a b", 7):
+        with pytest.raises(ValidationError) as caught:
+            EpisodeId.model_validate({"rollout_id": bad})
+        (error,) = caught.value.errors()
+        assert error["type"] == "invalid_rollout_id"
+        assert error["loc"] == ("rollout_id",)
+        assert "reserved for capture keys" in error["msg"]
+        assert f"within {MAX_ROLLOUT_ID_LENGTH} characters" in error["msg"]
 
 
 def test_a_bare_string_is_not_a_batch() -> None:

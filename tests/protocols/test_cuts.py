@@ -7,6 +7,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from protocols import (
@@ -18,7 +20,7 @@ from protocols import (
     GenerationCutRecord,
     inventory_digest,
 )
-from protocols._cuts import GenerationCutContinuation
+from protocols._cuts import GenerationCutContinuation, same_prefixes
 
 DIGEST = "ef" * 32
 
@@ -324,3 +326,53 @@ def test_build_still_refuses_duplicate_tickets_without_digesting_twice() -> None
             server_name="policy",
             active_prefixes=[_prefix("t1", "c1"), _prefix("t1", "c2")],
         )
+
+
+class _LookAlikePrefix(GenerationCutPrefix):
+    """A prefix of another type with the same fields: never equal to a plain one."""
+
+
+@given(
+    st.lists(st.sampled_from(["t1", "t2", "t3"]), max_size=3, unique=True),
+    st.sampled_from([None, "ticket_id", "rollout_id", "attempt", "admitted_at", "type", "drop"]),
+)
+def test_same_prefixes_answers_what_equality_answers(
+    tickets: list[str], change: str | None
+) -> None:
+    first = [_prefix(t, f"c{t}") for t in tickets]
+    second = list(first)
+    if second and change == "type":
+        second[-1] = _LookAlikePrefix(**second[-1].fields())
+    elif second and change == "drop":
+        second.pop()
+    elif second and change is not None:
+        replaced = {"ticket_id": "t9", "rollout_id": "r9", "attempt": 7, "admitted_at": 1.5}
+        second[0] = GenerationCutPrefix(**{**second[0].fields(), change: replaced[change]})
+    assert same_prefixes(first, second) == (first == second)
+    assert same_prefixes(second, first) == (second == first)
+
+
+def test_a_receipt_embedding_another_inventory_under_our_digest_answers_another_inventory() -> None:
+    # The worker's copy differs in one call's admission time and still claims our digest: only a
+    # comparison of every prefix tells them apart (D437).
+    inventory = _inventory()
+    prefixes = list(inventory.active_prefixes)
+    prefixes[1] = _prefix("t2", "c2", admitted_at=1700000000.5)
+    theirs = GenerationCutInventory.model_construct(
+        **{**dict(inventory), "active_prefixes": prefixes}
+    )
+    acks = [GenerationCutPrefixAck.failure(p) for p in prefixes]
+    receipt = GenerationCutReceipt.model_construct(
+        **{**dict(_receipt(inventory, [])), "inventory": theirs, "prefixes": acks}
+    )
+    with pytest.raises(ValueError, match="another inventory"):
+        receipt.validate_for(inventory)
+
+
+def test_a_receipt_may_ack_in_any_order_but_every_ack_must_name_its_call() -> None:
+    inventory = _inventory()
+    acks = [GenerationCutPrefixAck.failure(p) for p in inventory.active_prefixes]
+    _receipt(inventory, acks[::-1]).validate_for(inventory)
+    late = GenerationCutPrefixAck.failure(_prefix("t2", "c2", admitted_at=1700000000.5))
+    with pytest.raises(ValueError, match="ack of ticket 't2' names another call"):
+        _receipt(inventory, [late, acks[0]]).validate_for(inventory)

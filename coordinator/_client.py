@@ -121,21 +121,31 @@ class ControlClient:
         *,
         budget: Callable[[], float],
         deadline_ts: float | None = None,
+        wire: bytes | None = None,
     ) -> R:
-        wire = None if body is None else encode_wire(body)
+        if wire is None and body is not None:
+            wire = encode_wire(body)
         payload = await self._caller.call(
             method, f"/{route}", wire, budget=budget, deadline_ts=deadline_ts
         )
         return reply_model.model_validate(payload)
 
-    def _post(self, route: str, body: CheckpointRequest, reply_model: type[R]) -> Any:
+    def _post(
+        self,
+        route: str,
+        body: CheckpointRequest,
+        reply_model: type[R],
+        wire: bytes | None = None,
+    ) -> Any:
         deadline = body.deadline_ts
 
         def budget() -> float:
             return max(0.0, deadline - time.time()) + COORDINATION_REPLY_SLACK_SECONDS
 
         # No retry once the deadline has passed: the participant would refuse it anyway.
-        return self._call("POST", route, body, reply_model, budget=budget, deadline_ts=deadline)
+        return self._call(
+            "POST", route, body, reply_model, budget=budget, deadline_ts=deadline, wire=wire
+        )
 
     # ------------------------------------------------------------------ operations
 
@@ -194,7 +204,17 @@ class ControlClient:
             checkpoint_dir=checkpoint_dir,
             episode_ids=list(episode_ids),
         )
-        reply: RestoreReply = await self._post("restore", request, RestoreReply)
+        return await self.send_restore(request)
+
+    async def send_restore(
+        self, request: RestoreRequest, wire: bytes | None = None
+    ) -> RestoreReply:
+        """Send a restore request built (and so checked) already.
+
+        A coordinator restores every participant with the same request: it builds, checks and
+        encodes it once (D438). ``wire`` is ``encode_wire(request)``, when the caller has it.
+        """
+        reply: RestoreReply = await self._post("restore", request, RestoreReply, wire)
         return reply
 
     async def resume(self, checkpoint_id: str, deadline_ts: float) -> ResumeReply:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar
 
 import anyio
+from pydantic import ValidationError
 
 from protocols import (
     COLLECTION_RESTORE_SPAN,
@@ -33,9 +34,11 @@ from protocols import (
     PrepareReply,
     RenewReply,
     RestoreReply,
+    RestoreRequest,
     ResumeReply,
     RetireReply,
     coordinate_span,
+    encode_wire,
     refuse_unrestorable,
     stage_span,
     validate_rollout_ids,
@@ -267,7 +270,8 @@ class Coordinator:
 
         Raises:
             InvalidRequestError: The scope names an attempt with no next attempt (D361), or
-                two attempts of one rollout (D365); nothing was sent.
+                two attempts of one rollout (D365), or the request is one no participant would
+                take (a malformed checkpoint id, an empty directory); nothing was sent.
             CoordinationError: The restore failed somewhere; its ``failures`` also name any
                 participant whose cleanup failed (``<name> (cleanup retire|resume)``).
         """
@@ -275,6 +279,16 @@ class Coordinator:
             refuse_unrestorable(episode_ids)
         except ValueError as exc:
             raise InvalidRequestError(str(exc)) from None
+        try:
+            # One request for every participant, checked and encoded once (D438).
+            request = RestoreRequest(
+                checkpoint_id=checkpoint_id,
+                deadline_ts=deadline_ts,
+                checkpoint_dir=checkpoint_dir,
+                episode_ids=list(episode_ids),
+            )
+        except ValidationError as exc:
+            raise InvalidRequestError(f"the restore request is malformed: {exc}") from None
         with coordinator_span(
             COLLECTION_RESTORE_SPAN,
             new_trace=True,
@@ -285,19 +299,16 @@ class Coordinator:
             if span.is_recording():
                 stored = await anyio.to_thread.run_sync(stored_traceparent, checkpoint_dir)
                 link_to_checkpoint(span, stored)
-            return await self._restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)
+            return await self._restore(request)
 
-    async def _restore(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        checkpoint_dir: str,
-        episode_ids: Sequence[EpisodeId],
-    ) -> dict[str, RestoreReply]:
+    async def _restore(self, request: RestoreRequest) -> dict[str, RestoreReply]:
+        # Built once per participant, the request cost about 7 ms of the coordinator's event
+        # loop each at 16,000 episodes; the bytes are the same for everyone (D438).
+        wire = encode_wire(request)
+        checkpoint_id, deadline_ts = request.checkpoint_id, request.deadline_ts
+        episode_ids = request.episode_ids
         replies, failures = await each(
-            "restore",
-            self.members,
-            lambda m: m.client.restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids),
+            "restore", self.members, lambda m: m.client.send_restore(request, wire)
         )
         if not failures:
             return replies

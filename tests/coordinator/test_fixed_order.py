@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import anyio
 import pytest
@@ -196,4 +197,41 @@ async def test_a_successful_restore_leaves_everyone_restored(tmp_path) -> None: 
         assert d.ops("retire") == []
         await d.coordinator.renew("r-1", soon(60))
         await d.coordinator.resume("r-1", soon())
+        assert all(plane.phase is Phase.IDLE for plane in d.planes.values())
+
+
+async def test_a_restore_builds_and_encodes_one_request_for_every_participant(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    # Five participants restore the same scope: one request, checked and encoded once (D438).
+    import coordinator._client as client_module
+    import coordinator._fixed_order as fixed_order
+
+    directory = await _checkpoint(tmp_path, [R1, R2])
+    encoded: list[object] = []
+    real = fixed_order.encode_wire
+
+    def counting(model: Any) -> bytes:
+        encoded.append(model)
+        return real(model)
+
+    monkeypatch.setattr(fixed_order, "encode_wire", counting)
+    monkeypatch.setattr(client_module, "encode_wire", counting)
+    async with deployment() as d:
+        replies = await d.coordinator.restore("r-1", soon(), directory, [R1, R2])
+        assert len(replies) == 5
+        assert all(reply.restored == ["r1-a1", "r2-a1"] for reply in replies.values())
+    assert [type(model).__name__ for model in encoded] == ["RestoreRequest"]
+
+
+async def test_a_restore_request_no_participant_would_take_is_refused_before_anything_is_sent(
+    tmp_path,
+) -> None:  # type: ignore[no-untyped-def]
+    directory = await _checkpoint(tmp_path, [R1])
+    async with deployment() as d:
+        with pytest.raises(InvalidRequestError, match="the restore request is malformed"):
+            await d.coordinator.restore("r-1", float("nan"), directory, [R1])
+        with pytest.raises(InvalidRequestError, match="the restore request is malformed"):
+            await d.coordinator.restore("r-1", soon(), "", [R1])
+        assert d.log == []  # no restore, no cleanup retire, no resume
         assert all(plane.phase is Phase.IDLE for plane in d.planes.values())

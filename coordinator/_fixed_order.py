@@ -276,11 +276,9 @@ class Coordinator:
                 participant whose cleanup failed (``<name> (cleanup retire|resume)``).
         """
         try:
-            refuse_unrestorable(episode_ids)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc)) from None
-        try:
-            # One request for every participant, checked and encoded once (D438).
+            # One request for every participant, checked and encoded once (D438). Its
+            # validation checks the scope (D361, D365); only a refused request checks it again,
+            # for the scope's own message.
             request = RestoreRequest(
                 checkpoint_id=checkpoint_id,
                 deadline_ts=deadline_ts,
@@ -288,6 +286,10 @@ class Coordinator:
                 episode_ids=list(episode_ids),
             )
         except ValidationError as exc:
+            try:
+                refuse_unrestorable(episode_ids)
+            except ValueError as refusal:
+                raise InvalidRequestError(str(refusal)) from None
             raise InvalidRequestError(f"the restore request is malformed: {exc}") from None
         with coordinator_span(
             COLLECTION_RESTORE_SPAN,

@@ -269,6 +269,30 @@ def install_error_envelope(app: FastAPI) -> None:
     app.add_exception_handler(HTTPException, on_http_exception)
 
 
+_NO_ROUTE_SCOPE: Final[dict[str, Any]] = {
+    "type": "http",
+    "method": "GET",
+    "path": "/.no-such-route",
+    "root_path": "",
+    "query_string": b"",
+    "headers": [],
+}
+
+
+def build_routes(app: FastAPI) -> None:
+    """Have FastAPI build every route's validators and serializers now, before any request.
+
+    FastAPI builds an included router's routes (a ``TypeAdapter`` per body, reply and error
+    model) the first time a request passes through that router. A fresh server's first control
+    call, the restore after a crash or the prepare of its first checkpoint, paid for all eight
+    control routes: about 14 ms per participant, four times over in one process (D440).
+    Matching a path that no route has walks every router, and so builds them; a route added
+    later is built at its first request, as before.
+    """
+    for route in app.router.routes:
+        route.matches(dict(_NO_ROUTE_SCOPE))
+
+
 def participant_app(
     plane: ControlPlane,
     *,
@@ -292,6 +316,7 @@ def participant_app(
 
     @asynccontextmanager
     async def run(app: FastAPI) -> AsyncIterator[None]:
+        build_routes(app)  # every route is complete by now: the server's own were added too
         async with plane.running():
             if lifespan is None:
                 yield

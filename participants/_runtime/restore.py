@@ -82,6 +82,9 @@ def _restored_keys(
     """
     if len(named) != len(records):
         named = [None] * len(records)
+    found = [episode for episode in named if episode is not None]
+    if len(found) == len(records):
+        return sorted(scope.next_keys(found))  # every record named a scoped attempt (D439)
     keys = []
     for index, (record, episode) in enumerate(zip(records, named, strict=True)):
         if episode is None:

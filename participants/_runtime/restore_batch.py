@@ -21,6 +21,7 @@ only a next attempt's capture key gets the key without the episode.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any, TypeVar, overload
 
 from pydantic import TypeAdapter, ValidationError
@@ -128,6 +129,19 @@ class RestoreScope(Sequence[EpisodeId]):
                 return self.next_attempt(episode).capture_key  # raises
             found = self._next_keys[key] = f"{episode.rollout_id}-a{episode.attempt + 1}"
         return found
+
+    def next_keys(self, episodes: Sequence[EpisodeId]) -> list[str]:
+        """``[self.next_key(e) for e in episodes]``, formatted in one pass.
+
+        One call per restore instead of one per record (D439). When any episode is the last
+        attempt, each goes through :meth:`next_key`, which refuses it.
+        """
+        if episodes and max(map(_attempt_of, episodes)) >= MAX_ATTEMPT:
+            return [self.next_key(episode) for episode in episodes]
+        return [f"{episode.rollout_id}-a{episode.attempt + 1}" for episode in episodes]
+
+
+_attempt_of = attrgetter("attempt")
 
 
 def validate_batch(adapter: TypeAdapter[list[T]], items: Sequence[Any], what: str) -> list[T]:

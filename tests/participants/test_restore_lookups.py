@@ -90,6 +90,42 @@ def test_restored_keys_use_the_selection_and_refuse_what_it_could_not_name(
         _restored_keys([records[0], {"payload": 1}], scope, [R2, None])
 
 
+def test_restored_keys_of_a_whole_selection_are_formatted_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scope = RestoreScope([R1, R2])
+    records = [_record({"rollout_id": "r2"}), _record({"rollout_id": "r1", "attempt": 3})]
+    selection = _ScopeSelection(scope)
+    assert all(selection(record) for record in records)
+    per_record: list[EpisodeId] = []
+    next_key = RestoreScope.next_key
+
+    def counted(self: RestoreScope, episode: EpisodeId) -> str:
+        per_record.append(episode)
+        return next_key(self, episode)
+
+    monkeypatch.setattr(RestoreScope, "next_key", counted)
+    _no_next_attempts(monkeypatch)
+    # D439: every record named a scoped attempt, so no key is made record by record.
+    assert _restored_keys(records, scope, selection.named) == ["r1-a4", "r2-a1"]
+    assert per_record == []
+    # One record the read could not name: the keys are made one by one, with the same result.
+    assert _restored_keys(records, scope, [R2, None]) == ["r1-a4", "r2-a1"]
+    assert per_record == [R2, R1]
+
+
+def test_a_whole_selection_holding_the_last_attempt_is_refused() -> None:
+    last = EpisodeId(rollout_id="r1", attempt=MAX_ATTEMPT)
+    scope = RestoreScope([R2, last])
+    assert scope.next_keys([R2]) == ["r2-a1"]
+    with pytest.raises(ValidationError):
+        scope.next_keys([R2, last])
+    with pytest.raises(ValidationError):
+        _restored_keys(
+            [_record({"rollout_id": "r2"}), _record({"rollout_id": "r1"})], scope, [R2, last]
+        )
+
+
 def _environment_record(raw: Any, boundary: Any = None) -> dict[str, Any]:
     return {"episode_id": raw, "task_digest": "a" * 64, "boundary": boundary}
 

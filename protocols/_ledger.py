@@ -84,7 +84,38 @@ def validate_ledger_keys(keys: Iterable[str]) -> list[str]:
     """
     if isinstance(keys, str | bytes):
         raise TypeError("expected a sequence of rollout ids, got a bare string")
-    return list(dict.fromkeys(validate_ledger_key(key) for key in keys))
+    given = list(keys)
+    if not _all_ledger_keys(given):
+        for key in given:
+            validate_ledger_key(key)  # raises, naming the first key that breaks the rule
+    return list(dict.fromkeys(given))
+
+
+_LEDGER_KEY_TEXT = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._\n-]*")
+
+
+def _all_ledger_keys(keys: list[str]) -> bool:
+    """Whether every key keeps :func:`validate_ledger_key`'s rule, checked on all at once (D441).
+
+    The keys joined by newlines must be allowed characters and newlines only, with no key empty,
+    none starting with ``.``, none longer than the limit, and exactly one newline between two
+    keys (a key holding a newline would pass as two); anything not a string makes the join fail.
+    ``False`` means some key breaks the rule, and the caller names it.
+    """
+    if not keys:
+        return True
+    try:
+        text = "\n".join(keys)
+    except TypeError:
+        return False
+    return (
+        _LEDGER_KEY_TEXT.fullmatch(text) is not None
+        and "\n\n" not in text
+        and "\n." not in text
+        and not text.endswith("\n")
+        and text.count("\n") == len(keys) - 1
+        and max(map(len, keys)) <= MAX_LEDGER_KEY_LENGTH
+    )
 
 
 class CaptureLedgerCommit(BaseModel):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Final, Protocol
 
@@ -96,6 +96,15 @@ class RowCache:
             entry = self._entries.pop(key, None)
             if entry is not None:
                 self._rows -= entry.weight
+
+    def pop_many(self, keys: Iterable[str]) -> None:
+        """Drop the rows of every key of ``keys``, under one hold of the lock."""
+        with self._guard:
+            pop = self._entries.pop
+            for key in keys:
+                entry = pop(key, None)
+                if entry is not None:
+                    self._rows -= entry.weight
 
     def clear(self) -> None:
         """Drop everything."""

@@ -294,8 +294,7 @@ class SqliteCaptureLedger(ThreadedLedger):
                 delete_keys(conn, keys, marks=False)
                 self._on_step(RETIRE_STEPS[1])
         finally:
-            for key in keys:
-                self._cache.pop(key)
+            self._cache.pop_many(keys)
         return removal_result(keys, removed)
 
     def _remove(self, keys: list[str], *, unless_started: bool) -> RolloutRemoval:
@@ -306,8 +305,7 @@ class SqliteCaptureLedger(ThreadedLedger):
                 removed = keys_with_rows(conn, doomed)
                 delete_keys(conn, doomed, marks=True)
         finally:
-            for key in keys:
-                self._cache.pop(key)
+            self._cache.pop_many(keys)
         return removal_result(keys, removed, skipped)
 
     def _mark_started(self, key: str) -> bool:
@@ -336,8 +334,11 @@ class SqliteCaptureLedger(ThreadedLedger):
         inserts: list[tuple[str, str, int, bytes]] = []
         for key, lines in encoded.items():
             rollout, attempt = split_attempt(key)
-            floors[rollout] = min(attempt, floors.get(rollout, attempt))
-            inserts.extend((key, rollout, attempt, line) for line in lines)
+            floor = floors.get(rollout)
+            if floor is None or attempt < floor:
+                floors[rollout] = attempt
+            if lines:
+                inserts.extend((key, rollout, attempt, line) for line in lines)
         # Capture files a file-layout execution left in this directory (tokens, old ledgers).
         for key, suffixes in doomed_keys(os.listdir(self.root), list(encoded)).items():
             for suffix in suffixes:
@@ -347,8 +348,7 @@ class SqliteCaptureLedger(ThreadedLedger):
                 wipe_attempts(conn, list(floors.items()))
                 insert_rows(conn, inserts)
         finally:
-            for key in encoded:
-                self._cache.pop(key)
+            self._cache.pop_many(encoded)
 
     # -- lifecycle -----------------------------------------------------------------------------
 

@@ -368,3 +368,35 @@ async def test_export_rows_many_reads_each_id_as_export_rows_does_in_the_order_g
     assert ledger.export_rows("b")[0]["model_call_id"] == "call-0"
     with pytest.raises(InvalidRolloutIdError):
         ledger.export_rows_many(["a", "../escape"])
+
+
+def test_split_attempt_splits_exactly_what_the_regular_expression_splits() -> None:
+    # D441: the split without a regular expression, over all 137,257 keys of up to six characters
+    # drawn from the characters that matter (the separator's, digits with a zero, a newline,
+    # a non-ASCII digit).
+    import itertools
+
+    from participants._ledger.common import _ATTEMPT
+
+    def by_pattern(key: str) -> tuple[str, int]:
+        match = _ATTEMPT.fullmatch(key)
+        return (key, 0) if match is None else (match.group(1), int(match.group(2)))
+
+    checked = 0
+    for length in range(7):
+        for letters in itertools.product("-a01x\n\u0663", repeat=length):
+            key = "".join(letters)
+            assert split_attempt(key) == by_pattern(key), key
+            checked += 1
+    assert checked == sum(7**n for n in range(7))
+
+
+def test_a_row_cache_drops_many_keys_at_once() -> None:
+    from participants._ledger.cache import CachedLedger, RowCache
+
+    cache = RowCache()
+    for key, rows in (("a", 2), ("b", 3), ("c", 1)):
+        cache.store(key, CachedLedger(0, 0, rows=[{"n": n} for n in range(rows)]))
+    cache.pop_many(iter(["a", "c", "missing", "a"]))
+    assert "a" not in cache and "c" not in cache and "b" in cache
+    assert cache.sizes() == {"ledger_rollouts": 1, "ledger_rows": 3}

@@ -118,3 +118,29 @@ def test_batch_request_bounds() -> None:
         LedgerBatchRequest(rollout_ids=[])
     with pytest.raises(ValueError):
         LedgerBatchRequest(rollout_ids=["a"] * 4097)
+
+
+def test_a_batch_of_keys_is_checked_at_once_exactly_as_key_by_key() -> None:
+    # D441: every list of up to two keys of up to three characters, and of three of up to two, drawn from the characters
+    # the rule turns on is accepted by the one-pass check exactly when each key is valid.
+    import itertools
+
+    from protocols._ledger import MAX_LEDGER_KEY_LENGTH, _all_ledger_keys
+
+    def valid(key: str) -> bool:
+        try:
+            validate_ledger_key(key)
+        except InvalidRolloutIdError:
+            return False
+        return True
+
+    keys = ["".join(p) for n in range(4) for p in itertools.product("a.-\né", repeat=n)]
+    for size in range(4):
+        short = keys if size < 3 else [key for key in keys if len(key) < 3]
+        for batch in itertools.product(short, repeat=size):
+            assert _all_ledger_keys(list(batch)) == all(map(valid, batch)), batch
+    longest = "k" * MAX_LEDGER_KEY_LENGTH
+    assert _all_ledger_keys([longest, "a"]) and not _all_ledger_keys(["a", longest + "k"])
+    assert not _all_ledger_keys(["a", 3])  # type: ignore[list-item]
+    with pytest.raises(InvalidRolloutIdError, match="'a b'"):
+        validate_ledger_keys(["a", "a b", ".c"])  # the first bad key is the one named

@@ -69,10 +69,9 @@ def checked_restore(
         InvalidCheckpointStateError: A record is malformed or outside the scope (nothing changed).
     """
     indexed = RestoreScope.of(scope)
-    ledgers: dict[str, list[dict[str, Any]]] = {
-        indexed.next_key(episode): [] for episode in indexed
-    }
+    ledgers: dict[str, list[dict[str, Any]]] = {key: [] for key in indexed.next_keys(indexed)}
     sources = [_checked_record(record, index, indexed) for index, record in enumerate(records)]
+    targets = indexed.next_keys(sources)  # one pass, not one call per record (D442)
     with_cut = [index for index, record in enumerate(records) if record["generation_cuts"]]
     try:
         checked = _CUTS.validate_python([records[i]["generation_cuts"][0] for i in with_cut])
@@ -83,10 +82,10 @@ def checked_restore(
         ) from None
     cuts: dict[str, GenerationCutRecord] = {}
     for index, cut in zip(with_cut, checked, strict=True):
-        cuts[indexed.next_key(sources[index])] = cut
-    for source, record in zip(sources, records, strict=True):
-        target = indexed.next_key(source)
-        ledgers[target] = stamp_carried_rows(source, record["rows"])
+        cuts[targets[index]] = cut
+    for source, target, record in zip(sources, targets, records, strict=True):
+        rows = record["rows"]
+        ledgers[target] = stamp_carried_rows(source, rows) if rows else []
     return ledgers, cuts
 
 
@@ -94,18 +93,26 @@ _CUTS: TypeAdapter[list[GenerationCutRecord]] = TypeAdapter(list[GenerationCutRe
 
 
 def _checked_record(record: Record, index: int, scope: RestoreScope) -> EpisodeId:
-    if not isinstance(record, Mapping) or record.keys() != MODEL_RECORD_FIELDS:
+    # A dict is told by its exact type before ``isinstance`` asks the abstract class, and an
+    # empty list of rows is not walked: 16,000 times per restore (D442).
+    if (
+        type(record) is not dict and not isinstance(record, Mapping)
+    ) or record.keys() != MODEL_RECORD_FIELDS:
         raise InvalidCheckpointStateError(
             f"model record {index} must hold exactly {sorted(MODEL_RECORD_FIELDS)}"
         )
-    try:
-        source = scope.episode(record["episode_id"])
-    except ValueError:
-        raise InvalidCheckpointStateError(f"model record {index} has no valid episode_id") from None
-    if source not in scope:
-        raise InvalidCheckpointStateError(f"model record {index} is outside the restore scope")
+    source = scope.lookup(record["episode_id"])  # found there, it is in the scope
+    if source is None:
+        try:
+            source = EpisodeId.model_validate(record["episode_id"])
+        except ValueError:
+            raise InvalidCheckpointStateError(
+                f"model record {index} has no valid episode_id"
+            ) from None
+        if source not in scope:
+            raise InvalidCheckpointStateError(f"model record {index} is outside the restore scope")
     rows = record["rows"]
-    if not isinstance(rows, list) or not all(isinstance(r, Mapping) for r in rows):
+    if not isinstance(rows, list) or (rows and not all(isinstance(r, Mapping) for r in rows)):
         raise InvalidCheckpointStateError(f"model record {index}: rows must be a list of objects")
     cuts = record["generation_cuts"]
     if not isinstance(cuts, list) or len(cuts) > 1:

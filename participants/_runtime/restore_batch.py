@@ -81,12 +81,16 @@ class RestoreScope(Sequence[EpisodeId]):
         """
         if type(raw) is not dict:
             return None
+        size = len(raw)  # two keys, or the rollout id alone; an extra key is EpisodeId's to refuse
+        if size == 2:
+            attempt = raw.get("attempt")
+        elif size == 1:
+            attempt = 0
+        else:
+            return None
         rollout_id = raw.get("rollout_id")
-        attempt = raw.get("attempt", 0)
         if type(rollout_id) is not str or type(attempt) is not int:
             return None
-        if len(raw) != (2 if "attempt" in raw else 1):
-            return None  # an extra key: EpisodeId forbids it, so validation must say so
         return self._index.get((rollout_id, attempt))
 
     def episode(self, raw: Any) -> EpisodeId:

@@ -31,6 +31,8 @@ def test_a_record_naming_a_scoped_attempt_is_that_attempt_not_a_new_validation()
         {"rollout_id": "r1", "attempt": 1, "extra": 0},
         {"rollout_id": "r2", "extra": 0},
         {"attempt": 1},
+        {"rollout_id": 1},
+        {},
         ["r1", 1],
         None,
     ],

@@ -194,3 +194,43 @@ def test_a_restored_agent_session_holds_its_messages_as_the_dumps_of_its_state()
     assert session.conversation == [message.model_dump() for message in state.conversation]
     session.conversation[0]["content"] = "changed"  # a copy: the validated state is untouched
     assert state.conversation[0].content == "counter"
+
+
+def test_a_model_restore_checks_its_records_and_keys_them_in_one_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from participants._model.records import checked_restore
+
+    cut = {
+        "model_call_id": "c1",
+        "request_digest": "a" * 64,
+        "continuation": {
+            "source_capture_key": "r1-a3",
+            "source_model_call_id": "c1",
+            "staging_keys": ["__generation_cut__/c1/1"],
+            "prefix_token_count": 4,
+            "prefix_digest": "b" * 64,
+            "effective_output_limit": 32,
+        },
+    }
+    row = {"model_call_id": "c0", "staging_key": "k0"}
+    records = [
+        {"episode_id": {"rollout_id": "r1", "attempt": 3}, "rows": [row], "generation_cuts": [cut]},
+    ]
+    third = EpisodeId(rollout_id="r3")  # scoped, without a record: an empty ledger
+    scope = RestoreScope([R1, R2, third])
+    monkeypatch.setattr(RestoreScope, "next_key", _refuse_next_key)  # D442: no key per record
+    _no_next_attempts(monkeypatch)
+    ledgers, cuts = checked_restore(records, scope)
+    assert ledgers == {"r1-a4": [{**row, "capture_key": "r1-a3"}], "r2-a1": [], "r3-a1": []}
+    assert list(cuts) == ["r1-a4"] and cuts["r1-a4"].model_call_id == "c1"
+    outside = [{"episode_id": {"rollout_id": "r9"}, "rows": [], "generation_cuts": []}]
+    with pytest.raises(InvalidCheckpointStateError, match="outside the restore scope"):
+        checked_restore(outside, scope)
+    not_rows = [{"episode_id": {"rollout_id": "r2"}, "rows": [1], "generation_cuts": []}]
+    with pytest.raises(InvalidCheckpointStateError, match="rows must be a list of objects"):
+        checked_restore(not_rows, scope)
+
+
+def _refuse_next_key(self: RestoreScope, episode: EpisodeId) -> str:
+    raise AssertionError(f"the next key of {episode} was made alone")

@@ -36,6 +36,7 @@ from ._fanout.sockets import SOCKET_OWNER_FILE, listen_private, private_socket_p
 from ._http.body_limit import BodyLimit
 from ._http.router import (
     authorized,
+    build_routes,
     control_router,
     error_response,
     error_responses,
@@ -165,6 +166,7 @@ __all__ = [
     "VerifyMode",
     "authorized",
     "build_report",
+    "build_routes",
     "checkpoint_span",
     "collector_paused",
     "continued",

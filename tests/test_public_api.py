@@ -77,7 +77,7 @@ PUBLIC = {
         "ResourcesSessionHooks", "ResourcesSessionId", "RestartOnlyAgentParticipant", "RestoredAgentSession",
         "RolloutTokenCapture", "SeededSession", "SqliteCaptureLedger",
         "StreamingUnsupportedError", "VerifyMode",
-        "authorized", "build_report", "collector_paused", "control_router", "error_response", "error_responses",
+        "authorized", "build_report", "build_routes", "collector_paused", "control_router", "error_response", "error_responses",
         "fsync_directory", "generation_cut_restart_reason", "generation_cut_router",
         "install_error_envelope", "ledger_control_router", "listen_private",
         "live_ledger_keys",

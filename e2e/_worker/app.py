@@ -33,6 +33,7 @@ from participants import (
     BodyLimit,
     FileTokenStagingStore,
     authorized,
+    build_routes,
     error_response,
     error_responses,
     generation_cut_router,
@@ -150,6 +151,7 @@ def create_worker_app(
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        build_routes(app)  # the cut route is built before the first cut round needs it (D440)
         async with inference.running():  # a batching engine's scheduler, for the server's life
             yield
 

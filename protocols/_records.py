@@ -76,9 +76,11 @@ def is_records_file_name(name: str) -> bool:
     return _RECORDS_FILE.fullmatch(name) is not None
 
 
-_RECORD_ENCODER: Final = json.JSONEncoder(allow_nan=False)
+_RECORD_ENCODER: Final = json.JSONEncoder(allow_nan=False, check_circular=False)
 """``json.dumps`` with a non-default option builds a new encoder per call; a commit of thousands
-of records encodes them with this one."""
+of records encodes them with this one. It keeps no table of the containers it is inside, which
+cost a tenth of the encoding (D443): a record that contains itself recurses until Python's
+limit instead, and :func:`encode_record_line` refuses it as ``ValueError`` all the same."""
 
 
 def encode_record_line(record: Mapping[str, Any]) -> bytes:
@@ -87,10 +89,14 @@ def encode_record_line(record: Mapping[str, Any]) -> bytes:
     Key order is kept as given, because restored state is often re-rendered to a model.
 
     Raises:
-        ValueError: The record holds a non-finite number or something that is not JSON.
+        ValueError: The record holds a non-finite number or something that is not JSON, or is
+            nested deeper than Python's recursion limit (a record that contains itself is).
         TypeError: The record holds a value JSON cannot encode.
     """
-    return _RECORD_ENCODER.encode(record).encode("ascii") + b"\n"
+    try:
+        return _RECORD_ENCODER.encode(record).encode("ascii") + b"\n"
+    except RecursionError:
+        raise ValueError("the record is nested too deeply, or contains itself") from None
 
 
 def decode_json(data: str | bytes) -> Any:

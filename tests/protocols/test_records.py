@@ -5,7 +5,9 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 from pathlib import PurePosixPath
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -38,6 +40,21 @@ def test_a_line_is_default_json_dumps_with_ascii_escapes_and_key_order_kept() ->
 def test_non_finite_numbers_are_refused_on_write(value: float) -> None:
     with pytest.raises(ValueError):
         encode_record_line({"x": value})
+
+
+def test_a_record_that_contains_itself_or_nests_too_deeply_is_refused_as_a_value_error() -> None:
+    # D443: the encoder keeps no table of the containers it is in; the recursion limit stops a
+    # cycle instead, and the writer still gets the ValueError it turns into a typed refusal.
+    looped: dict[str, Any] = {"a": [1]}
+    looped["self"] = looped
+    deep: list[Any] = []
+    inner = deep
+    for _ in range(sys.getrecursionlimit() + 10):
+        inner.append([])
+        inner = inner[0]
+    for record in (looped, {"x": deep}):
+        with pytest.raises(ValueError, match="nested too deeply, or contains itself"):
+            encode_record_line(record)
 
 
 def test_non_finite_numbers_are_accepted_on_read() -> None:

@@ -66,21 +66,33 @@ def test_the_read_s_selection_remembers_whom_each_kept_record_names() -> None:
     assert selection.named[0] is R2 and selection.named[1] is R1
 
 
-def test_restored_keys_use_the_selection_and_refuse_what_it_could_not_name(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def _both_selected() -> tuple[RestoreScope, list[dict[str, Any]], _ScopeSelection]:
+    """The scope of R1 and R2, a record naming each, and the read's selection of both."""
     scope = RestoreScope([R1, R2])
     records = [_record({"rollout_id": "r2"}), _record({"rollout_id": "r1", "attempt": 3})]
     selection = _ScopeSelection(scope)
     assert all(selection(record) for record in records)
-    looked_up: list[Any] = []
-    lookup = RestoreScope.lookup
+    return scope, records, selection
 
-    def counted(self: RestoreScope, raw: object) -> EpisodeId | None:
-        looked_up.append(raw)
-        return lookup(self, raw)
 
-    monkeypatch.setattr(RestoreScope, "lookup", counted)
+def _counting(monkeypatch: pytest.MonkeyPatch, method: str) -> list[Any]:
+    """Every argument ``RestoreScope.<method>`` is called with, from now on."""
+    called: list[Any] = []
+    real = getattr(RestoreScope, method)
+
+    def counted(self: RestoreScope, argument: Any) -> Any:
+        called.append(argument)
+        return real(self, argument)
+
+    monkeypatch.setattr(RestoreScope, method, counted)
+    return called
+
+
+def test_restored_keys_use_the_selection_and_refuse_what_it_could_not_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    scope, records, selection = _both_selected()
+    looked_up = _counting(monkeypatch, "lookup")
     assert _restored_keys(records, scope, selection.named) == ["r1-a4", "r2-a1"]
     assert looked_up == []  # each record was looked up once, by the read
     # Without the read's names (a read that kept other records), each is looked up again.
@@ -93,18 +105,8 @@ def test_restored_keys_use_the_selection_and_refuse_what_it_could_not_name(
 def test_restored_keys_of_a_whole_selection_are_formatted_in_one_pass(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    scope = RestoreScope([R1, R2])
-    records = [_record({"rollout_id": "r2"}), _record({"rollout_id": "r1", "attempt": 3})]
-    selection = _ScopeSelection(scope)
-    assert all(selection(record) for record in records)
-    per_record: list[EpisodeId] = []
-    next_key = RestoreScope.next_key
-
-    def counted(self: RestoreScope, episode: EpisodeId) -> str:
-        per_record.append(episode)
-        return next_key(self, episode)
-
-    monkeypatch.setattr(RestoreScope, "next_key", counted)
+    scope, records, selection = _both_selected()
+    per_record = _counting(monkeypatch, "next_key")
     _no_next_attempts(monkeypatch)
     # D439: every record named a scoped attempt, so no key is made record by record.
     assert _restored_keys(records, scope, selection.named) == ["r1-a4", "r2-a1"]

@@ -94,10 +94,9 @@ from ._ledger import (
     encode_row,
     failure_row,
     manifest_from_rows,
-    validate_ledger_key,
-    validate_ledger_keys,
     validate_row,
 )
+from ._ledger_keys import validate_ledger_key, validate_ledger_keys
 from ._lineage import (
     LineageResolution,
     RequestItem,

@@ -14,7 +14,7 @@ from participants import FileCaptureLedger
 from participants._ledger.cache import LedgerCacheCollector, RowCache
 from participants._ledger.locks import DEFAULT_STRIPES, LOCK_DIRECTORY
 from protocols import RolloutRemoval, RolloutRetiredError
-from protocols._ledger import MAX_LEDGER_KEY_LENGTH
+from protocols._ledger_keys import MAX_LEDGER_KEY_LENGTH
 
 from .ledger_factory import commit
 

@@ -31,7 +31,7 @@ from protocols._ids import (
     RolloutId,
     validate_rollout_id,
 )
-from protocols._ledger import MAX_LEDGER_KEY_LENGTH
+from protocols._ledger_keys import MAX_LEDGER_KEY_LENGTH
 
 VALID = ["a", "Z9", "rollout-1", "r.x_y-z", "x-a0", "x-a01", "x-ab1", "a-a", "7"]
 INVALID = ["", "-a", ".a", "_a", "a b", "a/b", "é", "a-a1", "run-a12", "x\n", "a:b", "a-a9"]

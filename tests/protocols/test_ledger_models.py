@@ -125,7 +125,7 @@ def test_a_batch_of_keys_is_checked_at_once_exactly_as_key_by_key() -> None:
     # the rule turns on is accepted by the one-pass check exactly when each key is valid.
     import itertools
 
-    from protocols._ledger import MAX_LEDGER_KEY_LENGTH, _all_ledger_keys
+    from protocols._ledger_keys import MAX_LEDGER_KEY_LENGTH, _all_ledger_keys
 
     def valid(key: str) -> bool:
         try:

@@ -30,6 +30,7 @@ from protocols import (
     render_prompt,
 )
 from protocols._staging import GENERATION_CUT_KEY_PREFIX
+from tests.adapter_count import adapters_built
 
 pytestmark = pytest.mark.anyio
 TOKEN = "secret-token"
@@ -544,32 +545,19 @@ async def test_a_finished_completion_leaves_no_cancelled_watcher_for_the_collect
 
 
 async def test_a_started_worker_has_built_its_cut_route_before_the_first_cut(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     # D440: FastAPI builds an included router's models at the first request through it; the
     # worker's lifespan builds them, so the first cut round of a checkpoint does not.
-    import pydantic.type_adapter
-
-    real_init = pydantic.type_adapter.TypeAdapter.__init__
-
     async def adapters_built_by_first_cut(started: bool) -> int:
-        built: list[object] = []
-
-        def counted(self: Any, *args: Any, **kwargs: Any) -> None:
-            built.append(args[0] if args else None)
-            real_init(self, *args, **kwargs)
-
         app = create_worker_app(WorkerSettings(root=tmp_path / str(started), control_token=TOKEN))
         lifespan = app.router.lifespan_context(app) if started else contextlib.nullcontext()
         transport = httpx.ASGITransport(app=app)
         async with lifespan, httpx.AsyncClient(transport=transport, base_url="http://w") as http:
-            monkeypatch.setattr(pydantic.type_adapter.TypeAdapter, "__init__", counted)
-            try:
+            with adapters_built() as built:
                 reply = await http.post(
                     "/ng-control/v1/generation-cut", json=_inventory(), headers=AUTH
                 )
-            finally:
-                monkeypatch.undo()
         assert reply.status_code == 200, reply.text
         return len(built)
 

@@ -14,6 +14,7 @@ import pytest
 from participants import ControlPlane, ManualClock, participant_app
 from protocols import CONTROL_PREFIX
 from protocols._ids import MAX_ATTEMPT
+from tests.adapter_count import adapters_built
 
 from .fakes import FakeParticipant
 from .runtime_support import NOW, commit_req, ep, harness, req
@@ -410,38 +411,24 @@ async def test_a_restore_body_is_parsed_and_served_with_the_collector_paused(
     assert gc.isenabled()  # given back once the request is served
 
 
-async def _adapters_built_by_first_status(monkeypatch: pytest.MonkeyPatch, *, started: bool) -> int:
+async def _adapters_built_by_first_status(*, started: bool) -> int:
     """How many ``TypeAdapter``s a fresh app builds while it serves its first control call."""
-    import pydantic.type_adapter
-
     fake = FakeParticipant()
     plane = ControlPlane(fake, clock=ManualClock(NOW))
     app = participant_app(plane, token=TOKEN)
-    built: list[object] = []
-    real_init = pydantic.type_adapter.TypeAdapter.__init__
-
-    def counted(self: Any, *args: Any, **kwargs: Any) -> None:
-        built.append(args[0] if args else None)
-        real_init(self, *args, **kwargs)
-
     transport = httpx.ASGITransport(app=app)
     lifespan = app.router.lifespan_context(app) if started else plane.running()
     async with lifespan, httpx.AsyncClient(transport=transport, base_url="http://p") as http:
-        monkeypatch.setattr(pydantic.type_adapter.TypeAdapter, "__init__", counted)
-        try:
+        with adapters_built() as built:
             reply = await http.get(
                 f"{CONTROL_PREFIX}/status", headers={"Authorization": f"Bearer {TOKEN}"}
             )
-        finally:
-            monkeypatch.undo()
     assert reply.status_code == 200, reply.text
     return len(built)
 
 
-async def test_a_started_server_has_built_its_routes_before_the_first_control_call(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_a_started_server_has_built_its_routes_before_the_first_control_call() -> None:
     # D440: FastAPI builds an included router's models at the first request through it, so
     # without the build at start-up a fresh server's first restore or prepare paid for it.
-    assert await _adapters_built_by_first_status(monkeypatch, started=False) > 8
-    assert await _adapters_built_by_first_status(monkeypatch, started=True) == 0
+    assert await _adapters_built_by_first_status(started=False) > 8
+    assert await _adapters_built_by_first_status(started=True) == 0

@@ -32,7 +32,7 @@ import anyio
 from participants import FileCaptureLedger, SqliteCaptureLedger
 from protocols import CallRecord, CaptureLedgerCommit, custody_row, encode_row
 
-from .ledger_floors import _Floor, _LogFloor, _plant, _ThreadHop
+from .ledger_floors import _Floor, _LogFloor, _plant, _ThreadHop, wake_probe
 
 LAYOUTS = ("sqlite", "file")
 OPERATIONS = (
@@ -268,4 +268,6 @@ def run_ledger_bench(
         "calls_per_rollout": calls,
         "batch": batch,
         "operations": operations,
+        # After the timed rows, so its pinned threads disturb none of them (D444).
+        "wake_probe_us": wake_probe(),
     }

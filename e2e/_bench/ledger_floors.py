@@ -2,7 +2,8 @@
 
 ``_Floor`` does the file layout's system calls on the same names; ``_LogFloor`` is the SQLite
 layout's (one append-only log, one fsync per commit, D341); ``_ThreadHop`` is the least a call
-pays to run blocking work off the event loop and come back (D189, D260).
+pays to run blocking work off the event loop and come back (D189, D260); ``wake_probe`` measures
+that round trip with the thread pinned beside the event loop's CPU and away from it (D444).
 """
 
 from __future__ import annotations
@@ -11,9 +12,12 @@ import asyncio
 import contextlib
 import os
 import queue
+import statistics
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 
@@ -210,3 +214,51 @@ def _plant(root: Path, data: dict[str, bytes]) -> None:
     """Untimed setup: live ledgers to delete."""
     for key, content in data.items():
         (root / f"{key}.lineage.jsonl").write_bytes(content)
+
+
+WAKE_PROBE_ROUNDS = 400
+"""Round trips per placement in :func:`wake_probe`."""
+
+
+def wake_probe(rounds: int = WAKE_PROBE_ROUNDS) -> dict[str, float] | None:
+    """What one bare event loop -> thread -> event loop round trip costs on this machine, by
+    where the thread runs: the median µs with it on the event loop's CPU (``same_cpu_us``) and
+    on another CPU (``other_cpu_us``).
+
+    On this project's 2-core VM the second is about six times the first (D444): waking a
+    sleeping CPU costs tens of µs each way. The kernel chooses the placement of the ledger's
+    threads and of the floor's, so a ``ratio_to_floor_via_thread`` can move between runs by
+    that difference; this says how large it is. The probe runs on threads of its own, pinned;
+    the bench's threads are not. ``None`` where a thread cannot be pinned or there is one CPU.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    found: dict[str, float] = {}
+
+    async def measure() -> None:
+        os.sched_setaffinity(0, {cpus[0]})  # this thread's loop, on the first CPU
+        for name, cpu in (("same_cpu_us", cpus[0]), ("other_cpu_us", cpus[1])):
+            with _ThreadHop() as hop:
+                await hop.run(partial(os.sched_setaffinity, 0, {cpu}))
+                times = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    await hop.run(_nothing)
+                    times.append(time.perf_counter() - start)
+            found[name] = round(statistics.median(times) * 1e6, 1)
+
+    def run() -> None:
+        with contextlib.suppress(OSError):  # a CPU set the process may not use: no figures
+            asyncio.run(measure())
+
+    probe = threading.Thread(target=run, name="bench-wake-probe", daemon=True)
+    probe.start()
+    probe.join(60.0)
+    return found if len(found) == 2 else None
+
+
+def _nothing() -> None:
+    return None

@@ -87,6 +87,14 @@ def register(app: typer.Typer) -> None:
                     f"{row['ratio_to_floor_via_thread']:.2f}x that. Blocking file work may not "
                     f"run on the event loop, so every {name} pays such a round trip."
                 )
+            probe = payload.get("wake_probe_us")
+            if probe:
+                console.print(
+                    f"one bare round trip, the thread pinned to the event loop's CPU: "
+                    f"{probe['same_cpu_us']:.1f} µs; to another CPU: {probe['other_cpu_us']:.1f} "
+                    "µs. The kernel places the ledger's threads and the floor's, so a ratio to "
+                    "the floor through a thread can move between runs by about that difference."
+                )
 
         emit_bench(payload, as_json=as_json, render=render)
 

@@ -13,6 +13,7 @@ import anyio.lowlevel
 import pytest
 
 from e2e._bench.ledger import _Floor, _LogFloor, _ThreadHop
+from e2e._bench.ledger_floors import wake_probe
 from e2e._servers.model import open_capture_ledger
 
 pytestmark = pytest.mark.anyio
@@ -48,6 +49,36 @@ async def test_the_floor_via_the_thread_writes_what_the_bare_floor_writes(tmp_pa
     assert names == ["k.lineage.jsonl"] == sorted(os.listdir(tmp_path / "via"))
     assert (tmp_path / "via" / names[0]).read_bytes() == b"".join(lines)
     assert (tmp_path / "bare" / names[0]).read_bytes() == b"".join(lines)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="placement needs two CPUs")
+def test_the_wake_probe_pins_its_threads_where_it_says_and_leaves_the_caller_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    before = os.sched_getaffinity(0)
+    pinned: list[tuple[str, set[int]]] = []
+    real = os.sched_setaffinity
+
+    def recording(pid: int, cpus: set[int]) -> None:
+        pinned.append((threading.current_thread().name, set(cpus)))
+        real(pid, cpus)
+
+    monkeypatch.setattr(os, "sched_setaffinity", recording)
+    found = wake_probe(rounds=20)
+    assert found is not None and found["same_cpu_us"] > 0 and found["other_cpu_us"] > 0
+    first, second = sorted(before)[:2]
+    # The probe's loop on the first CPU; one hop thread beside it, then one on the second.
+    assert [cpus for _name, cpus in pinned] == [{first}, {first}, {second}]
+    assert pinned[0][0] == "bench-wake-probe"
+    assert {name for name, _cpus in pinned[1:]} == {"bench-hop"}
+    assert os.sched_getaffinity(0) == before  # the caller's thread was never pinned
+
+
+def test_the_wake_probe_says_nothing_where_a_thread_cannot_be_pinned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0})
+    assert wake_probe(rounds=5) is None  # one CPU: no second placement to compare
 
 
 @pytest.mark.parametrize("layout", ["sqlite", "file"])

@@ -101,6 +101,12 @@ def test_bench_ledger_json_lists_every_operation_beside_its_floor(tmp_path: Path
         )
     assert all("hop_us_per_rollout" not in row for row in operations.values())
     assert list(tmp_path.iterdir()) == []  # the scratch directory is removed
+    # What one thread round trip costs by placement, where threads can be pinned (D444).
+    probe = payload["wake_probe_us"]
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert probe["same_cpu_us"] > 0 and probe["other_cpu_us"] > 0
+    else:
+        assert probe is None
 
 
 def test_bench_ledger_table_notes_the_thread_round_trip(tmp_path: Path) -> None:
@@ -109,6 +115,8 @@ def test_bench_ledger_table_notes_the_thread_round_trip(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "record" in result.output and "round trip" in result.output
     assert "every manifest pays" in result.output
+    if len(os.sched_getaffinity(0)) >= 2:
+        assert "pinned to the event loop's CPU" in result.output
 
 
 @pytest.mark.parametrize("suite", ["ledger", "hotpath"])

@@ -6,6 +6,7 @@ import gc
 import json
 import os
 import signal
+import statistics
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +19,12 @@ from e2e import build_app
 from e2e._bench.checkpoint import PARKED_WORKLOAD
 from e2e._bench.common import InProcessCluster
 from e2e._bench.crashed_cluster import park_and_crash
-from e2e._bench.restore import crash_restore_cycle, read_and_write_floor
+from e2e._bench.restore import (
+    FLOOR_SAMPLES,
+    crash_restore_cycle,
+    read_and_write_floor,
+    sampled_floor,
+)
 from participants import live_ledger_keys
 
 runner = CliRunner()
@@ -38,6 +44,10 @@ def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: 
     assert row["us_per_rollout"] == round(row["restore_s"] / 3 * 1e6, 1)
     assert row["retired"] == 1 and row["retire_s"] > 0  # a quarter of 3, at least one (D389)
     assert "read every file" in payload["floor"]
+    # The floor is the median of its samples, each one reported (D445).
+    samples = row["floor_samples_s"]
+    assert len(samples) == FLOOR_SAMPLES and all(sample > 0 for sample in samples)
+    assert row["floor_s"] == pytest.approx(statistics.median(samples), abs=2e-6)
 
 
 def test_bench_restore_reports_the_slope_between_sizes(tmp_path: Path) -> None:
@@ -126,3 +136,26 @@ def test_the_restore_floor_reads_and_writes_every_byte(tmp_path: Path) -> None:
     assert (files, size) == (2, 1002) and seconds > 0
     written = sorted(p.read_bytes() for p in (tmp_path / "floor").iterdir())
     assert written == [b"a" * 1000, b"{}"]
+
+
+def test_each_floor_sample_writes_every_byte_into_a_directory_removed_before_the_next(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = tmp_path / "checkpoint"
+    source.mkdir()
+    (source / "records-x.jsonl").write_bytes(b"a" * 1000)
+    seen: list[list[str]] = []
+    real = read_and_write_floor
+
+    def watched(directory: Path, into: Path) -> tuple[float, int, int]:
+        seen.append(sorted(p.name for p in (tmp_path / "floor").glob("*")))  # before this one
+        taken = real(directory, into)
+        assert [p.read_bytes() for p in into.iterdir()] == [b"a" * 1000]
+        return taken
+
+    monkeypatch.setattr("e2e._bench.restore.read_and_write_floor", watched)
+    seconds, files, size = sampled_floor(source, tmp_path / "floor", samples=3)
+    assert len(seconds) == 3 and all(s > 0 for s in seconds) and (files, size) == (1, 1000)
+    # No copy is left beside the next one: each sample writes into room the last one freed.
+    assert seen == [[], [], []]
+    assert list((tmp_path / "floor").iterdir()) == []

@@ -142,6 +142,7 @@ async def crash_restore_cycle(
             finish_s = time.perf_counter() - finish_started
     stage(f"{who} · floor")
     floor_samples, files, size = sampled_floor(directory, root / "floor")
+    floor_s = median(floor_samples)
     wanted = {episode.next_attempt().capture_key for episode in episodes}
     row: dict[str, Any] = {
         "rollouts": rollouts,
@@ -151,9 +152,9 @@ async def crash_restore_cycle(
         "checkpoint_bytes": size,
         "files": files,
         "restore_s": restore_s,
-        "floor_s": median(floor_samples),
+        "floor_s": floor_s,
         "floor_samples_s": [round(sample, 6) for sample in floor_samples],
-        "ratio": ratio(restore_s, median(floor_samples)),
+        "ratio": ratio(restore_s, floor_s),
         "us_per_rollout": us_per_rollout(restore_s, rollouts),
         "retired": len(others),
         "retire_s": round(retire_s, 4),

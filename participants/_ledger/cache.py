@@ -92,10 +92,7 @@ class RowCache:
 
     def pop(self, key: str) -> None:
         """Drop the rows of ``key``."""
-        with self._guard:
-            entry = self._entries.pop(key, None)
-            if entry is not None:
-                self._rows -= entry.weight
+        self.pop_many((key,))
 
     def pop_many(self, keys: Iterable[str]) -> None:
         """Drop the rows of every key of ``keys``, under one hold of the lock."""

@@ -1,4 +1,5 @@
-"""Where a benchmark's results go besides stdout: ``--out DIR`` files, the plot, the profile."""
+"""Where a benchmark's results go besides stdout: ``--out DIR``'s JSON, the profile (the
+pictures are ``plots``)."""
 
 from __future__ import annotations
 
@@ -9,48 +10,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-PLOT_FILE = "checkpoint.png"
-
 
 def write_json(out: Path, suite: str, payload: dict[str, Any]) -> Path:
     """``<out>/<suite>.json``: the same object ``--json`` prints."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{suite}.json"
     path.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-    return path
-
-
-def plot_checkpoint(rows: list[dict[str, Any]], path: Path) -> Path:
-    """A PNG of checkpoint time against rollouts in flight: pause, overhead and floor."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server; the Agg backend only writes files
-    import matplotlib.pyplot as plt
-
-    ordered = sorted(rows, key=lambda row: row["rollouts"])
-    counts = [row["rollouts"] for row in ordered]
-    figure, axes = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for field, label, style in (
-        ("pause_s", "admission closed (prepare → resume)", "o-"),
-        ("overhead_s", "control-plane overhead (no boundary wait)", "s--"),
-        ("floor_s", "floor: same bytes, one fsync per file", "^:"),
-    ):
-        axes.plot(counts, [row[field] for row in ordered], style, label=label)
-    # Issue 20's goals: the pause at most 2 s with 4,000 parked and 5 s with 16,000.
-    axes.plot(
-        [4000, 16_000], [2.0, 5.0], "x", color="grey", label="goals: 2 s at 4,000; 5 s at 16,000"
-    )
-    axes.set_xscale("log")
-    axes.set_yscale("log")
-    axes.set_xlabel("rollouts in flight (parked at the checkpoint)")
-    axes.set_ylabel("seconds (median)")
-    axes.set_title("midflight bench checkpoint")
-    axes.grid(True, which="both", linewidth=0.3)
-    axes.legend(fontsize=8)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path)
-    plt.close(figure)
     return path
 
 

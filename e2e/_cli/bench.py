@@ -22,6 +22,7 @@ from .._bench.hotpath import run_hotpath_bench
 from .._bench.ledger import run_ledger_bench
 from .._bench.tracing import run_tracing_bench
 from .bench_paths import DirOption, refuse_unusable_paths
+from .bench_plot import add_plot_command
 from .bench_suites import add_suite_commands, emit_bench, parse_sizes
 from .output import JsonOption, console, print_whole, usage_error
 from .serve_options import LedgerLayoutChoice
@@ -32,6 +33,7 @@ def register(app: typer.Typer) -> None:
     bench = typer.Typer(help="Benchmarks: each figure beside its floor, and the ratio.")
     app.add_typer(bench, name="bench")
     add_suite_commands(bench)
+    add_plot_command(bench)
 
     @bench.command("ledger")
     def ledger_command(

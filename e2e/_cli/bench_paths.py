@@ -22,7 +22,11 @@ DirOption = Annotated[
 ]
 OutOption = Annotated[
     Path | None,
-    typer.Option("--out", help="Also write <suite>.json (and checkpoint.png) into this directory."),
+    typer.Option(
+        "--out",
+        help="Also write <suite>.json into this directory, and <suite>.png for checkpoint, "
+        "restore and scale.",
+    ),
 ]
 ProfileOption = Annotated[
     Path | None,

@@ -1,8 +1,8 @@
 """``midflight bench checkpoint|restore|overhead|scale``: the control plane's figures at scale.
 
 Each suite measures its floor in the same run and prints the ratio; ``--json`` prints one JSON
-object, ``--out DIR`` also writes ``<suite>.json`` there (and, for ``checkpoint``, the plot
-``checkpoint.png``), ``--profile PATH`` writes a pyinstrument profile of the timed sections.
+object, ``--out DIR`` also writes ``<suite>.json`` there (and, for ``checkpoint``, ``restore`` and
+``scale``, its picture ``<suite>.png``), ``--profile PATH`` writes a pyinstrument profile of the timed sections.
 """
 
 from __future__ import annotations
@@ -19,8 +19,9 @@ from rich.table import Table
 
 from .._bench.checkpoint import PARKED_WORKLOAD, SIZES, SOAK_SIZE, run_checkpoint_bench
 from .._bench.common import quiet_logs, reporting_stages, under_load
-from .._bench.output import PLOT_FILE, Profile, plot_checkpoint, write_json
+from .._bench.output import Profile, write_json
 from .._bench.overhead import run_overhead_bench
+from .._bench.plots import ROWS_KEY, draw, plot_file
 from .._bench.restore import run_restore_bench
 from .._bench.scale import LADDER, run_scale_bench
 from .bench_paths import DirOption, OutOption, ProfileOption, refuse_unusable_paths
@@ -79,8 +80,8 @@ def _run(
         payload["profile"] = [str(path) for path in profiler.write()]
     if out is not None:
         written = [write_json(out, suite, payload)]
-        if suite == "checkpoint":
-            written.append(plot_checkpoint(payload["rows"], out / PLOT_FILE))
+        if suite in ROWS_KEY:
+            written.append(draw(payload, out / plot_file(suite)))
         payload["written"] = [str(path) for path in written]
     return payload
 

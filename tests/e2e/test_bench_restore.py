@@ -51,11 +51,18 @@ def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: 
 
 
 def test_bench_restore_reports_the_slope_between_sizes(tmp_path: Path) -> None:
-    result = runner.invoke(
-        build_app(), ["bench", "restore", "--sizes", "2,3", "--json", "--dir", str(tmp_path)]
-    )
+    out = tmp_path / "results"
+    args = ["bench", "restore", "--sizes", "2,3", "--json", "--dir", str(tmp_path)]
+    result = runner.invoke(build_app(), [*args, "--out", str(out)])
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
+    # --out writes the JSON and its picture, which `bench plot` draws again from the JSON.
+    assert payload["written"] == [str(out / "restore.json"), str(out / "restore.png")]
+    redrawn = runner.invoke(
+        build_app(), ["bench", "plot", str(out / "restore.json"), "--out", str(tmp_path / "r.png")]
+    )
+    assert redrawn.exit_code == 0, redrawn.output
+    assert (tmp_path / "r.png").read_bytes() == (out / "restore.png").read_bytes()
     small, large = payload["rows"]
     slope, retire_slope = payload["slopes"]
     assert (slope["figure"], slope["from"], slope["to"]) == ("restore_s", 2, 3)

@@ -27,11 +27,17 @@ def test_bench_scale_climbs_until_the_budget_and_names_the_limit(tmp_path: Path)
             "--json",
             "--dir",
             str(tmp_path),
+            "--out",
+            str(tmp_path / "results"),
         ],
     )
     assert result.exit_code == 0, result.output
     payload = json.loads(result.stdout)
     assert [rung["rollouts"] for rung in payload["rungs"]] == [2, 4, 1000000]
+    # The picture draws the rungs carried; the one not tried is named in its title.
+    picture = tmp_path / "results" / "scale.png"
+    assert payload["written"][-1] == str(picture)
+    assert picture.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
     *run, skipped = payload["rungs"]
     for rung in run:
         assert rung["parked"] == rung["restored"] == rung["finished"] == rung["rollouts"]

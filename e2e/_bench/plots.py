@@ -126,6 +126,10 @@ def _draw_checkpoint(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
         ("floor_s", "floor: same bytes, one fsync per file", "^:"),
     ):
         axes[0].plot(counts, _column(rows, field), style, label=label)
+    floors = _column(rows, "floor_s")
+    axes[0].plot(
+        counts, [3 * floor for floor in floors], "--", color="grey", label="3 times the floor"
+    )
     axes[0].plot(
         [4000, 16_000], [2.0, 5.0], "x", color="grey", label="goals: 2 s at 4,000; 5 s at 16,000"
     )

@@ -3,7 +3,8 @@
 A cycle parks N rollouts on an in-process cluster in a child process, takes one published
 checkpoint, and crashes: the child is SIGKILLed (its rollouts cancelled, nothing retired or
 drained), and a fresh cluster starts on the same run root in the bench's own process, which has
-served nothing, as a restore's processes always have (D19, D376). The controller reads ``LATEST`` and restores every continued episode; the time from sending
+served nothing, as a restore's processes always have (D19, D376); with ``servers="processes"``
+it starts as a process per server instead (D447). The controller reads ``LATEST`` and restores every continued episode; the time from sending
 restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
 the same bytes elsewhere, one fsync per file; it is taken ``FLOOR_SAMPLES`` times, each copy
 removed before the next, and ``floor_s`` is the median (``floor_samples_s`` holds each, D445);
@@ -40,6 +41,7 @@ from .common import PARKING, InProcessCluster, Workload, files_under, median, ra
 from .common import write_floor as write_same_bytes
 from .crashed_cluster import park_and_crash
 from .growth import add_growth, slopes, us_per_rollout
+from .process_cluster import SERVER_CHOICES, ProcessCluster
 
 SIZES: Final = (100, 1000, 4000)
 RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)
@@ -92,8 +94,18 @@ async def crash_restore_cycle(
     parked: Workload = PARKED_WORKLOAD,
     restored: Workload = RESTORED_WORKLOAD,
     profiler: Callable[[], AbstractContextManager[Any]] | None = None,
+    servers: str = "in-process",
 ) -> dict[str, Any]:
-    """Park, checkpoint, crash, restore (and optionally finish) ``rollouts`` rollouts."""
+    """Park, checkpoint, crash, restore (and optionally finish) ``rollouts`` rollouts.
+
+    ``servers`` is where the restore runs: ``in-process`` (this process) or ``processes`` (a
+    process per server, D447; without ``finish``, which needs a connection per rollout).
+
+    Raises:
+        ValueError: ``servers`` is unknown, or ``processes`` with ``finish``.
+    """
+    if servers not in SERVER_CHOICES or (servers == "processes" and finish):
+        raise ValueError(f"cannot restore on servers={servers!r} with finish={finish}")
     run_root = root / "run"
     episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
     who = f"{rollouts:,} rollouts"
@@ -104,7 +116,11 @@ async def crash_restore_cycle(
         raise RuntimeError("the checkpoint before the crash was not published")
     directory = checkpoint_directory(run_root, latest.checkpoint_id)
     continued = list(latest.continued)
-    second = InProcessCluster(run_root, restored)
+    second: InProcessCluster | ProcessCluster = (
+        ProcessCluster(run_root, restored)
+        if servers == "processes"
+        else InProcessCluster(run_root, restored)
+    )
     results: list[dict[str, Any]] = []
     async with second.running():
         coordinator = second.coordinator
@@ -129,6 +145,7 @@ async def crash_restore_cycle(
             key for name, r in replies.items() if kinds[name] == "environment" for key in r.restored
         }
         if finish:
+            assert isinstance(second, InProcessCluster)  # checked above
             stage(f"{who} · finishing every restored rollout")
             finish_started = time.perf_counter()
 
@@ -146,6 +163,7 @@ async def crash_restore_cycle(
     wanted = {episode.next_attempt().capture_key for episode in episodes}
     row: dict[str, Any] = {
         "rollouts": rollouts,
+        "servers": servers,
         "parked": taken["parked"],
         "restored": len(restored_keys & wanted),
         "records_bytes": records_bytes(directory),
@@ -176,6 +194,7 @@ def run_restore_bench(
     sizes: Sequence[int] = SIZES,
     repeats: int = 1,
     profiler: Callable[[], AbstractContextManager[Any]] | None = None,
+    servers: str = "in-process",
 ) -> dict[str, Any]:
     """Restore time against records size and rollout count, each beside its floor.
 
@@ -184,6 +203,7 @@ def run_restore_bench(
         sizes: Rollouts in flight at the checkpoint, one row each.
         repeats: Crash-restore cycles per size (medians are reported).
         profiler: Entered around each timed restore (``--profile``).
+        servers: Where the restore runs: ``in-process`` or ``processes`` (D447).
     """
 
     async def main() -> list[dict[str, Any]]:
@@ -191,7 +211,11 @@ def run_restore_bench(
         for rollouts in sizes:
             cycles = [
                 await crash_restore_cycle(
-                    directory / f"n{rollouts}-{index}", rollouts, finish=False, profiler=profiler
+                    directory / f"n{rollouts}-{index}",
+                    rollouts,
+                    finish=False,
+                    profiler=profiler,
+                    servers=servers,
                 )
                 for index in range(repeats)
             ]
@@ -208,6 +232,7 @@ def run_restore_bench(
     return {
         "suite": "restore",
         "parking": PARKING,
+        "servers": servers,
         "floor": (
             "read every file of the checkpoint, write the same bytes, one fsync per file; "
             f"the median of {FLOOR_SAMPLES} samples, each copy removed before the next"

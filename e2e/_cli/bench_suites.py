@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -27,6 +28,13 @@ from .._bench.scale import LADDER, run_scale_bench
 from .bench_paths import DirOption, OutOption, ProfileOption, refuse_unusable_paths
 from .bench_progress import BenchProgress
 from .output import JsonOption, console, emit, error_console, print_whole
+
+
+class RestoreServers(StrEnum):
+    """``bench restore --servers``: where the restore runs (D447)."""
+
+    in_process = "in-process"
+    processes = "processes"
 
 
 def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
@@ -246,6 +254,13 @@ def add_suite_commands(bench: typer.Typer) -> None:
             typer.Option(help="Comma-separated rollouts in flight, one row each (100,1000,4000)."),
         ] = None,
         repeats: Annotated[int, typer.Option(min=1, help="Crash-restore cycles per size.")] = 1,
+        servers: Annotated[
+            RestoreServers,
+            typer.Option(
+                help="Restore into servers in this process, or into a process per server (the "
+                "reference deployment; rollouts are still parked in one process)."
+            ),
+        ] = RestoreServers.in_process,
         directory: DirOption = None,
         out: OutOption = None,
         profile: ProfileOption = None,
@@ -257,7 +272,7 @@ def add_suite_commands(bench: typer.Typer) -> None:
         payload = _run(
             "restore",
             lambda scratch, profiler: run_restore_bench(
-                scratch, sizes=chosen, repeats=repeats, profiler=profiler
+                scratch, sizes=chosen, repeats=repeats, profiler=profiler, servers=servers.value
             ),
             directory=directory,
             out=out,
@@ -267,7 +282,8 @@ def add_suite_commands(bench: typer.Typer) -> None:
 
         def render() -> None:
             _table(
-                f"restore: median of {repeats}; {payload['parking']}",
+                f"restore: median of {repeats}; {payload['parking']}; restored on "
+                f"{'a process per server' if payload['servers'] == 'processes' else 'this process'}",
                 payload["rows"],
                 [
                     ("rollouts", "rollouts"),

@@ -125,6 +125,45 @@ async def test_the_parked_cluster_logs_only_warnings_so_the_bench_display_stays_
     assert out == ""  # the figures travel on the child's own pipe, never on the bench's stdout
 
 
+def _commands_naming(text: str) -> list[int]:
+    """Processes whose command line contains ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:  # it ended while we looked
+                continue
+    return found
+
+
+@pytest.mark.anyio
+async def test_a_restore_into_a_process_per_server_runs_on_real_servers_gone_after(
+    tmp_path: Path,
+) -> None:
+    """D447: with ``servers="processes"`` each participant restores in a server process of its
+    own, which logs its restore to its own file, and every one is gone when the cycle ends."""
+    row = await crash_restore_cycle(tmp_path, 3, finish=False, servers="processes")
+    assert row["servers"] == "processes"
+    assert row["restored"] == 3 and row["retired"] == 1 and row["restore_s"] > 0
+    logs = tmp_path / "run" / "logs"
+    restored_in = {
+        path.name for path in logs.glob("*-0.log") if "checkpoint.restore" in path.read_text()
+    }
+    assert restored_in == {"policy-0.log", "resources-0.log", "agent-0.log", "environment-0.log"}
+    assert _commands_naming(str(tmp_path / "run" / "cluster.toml")) == []
+
+
+@pytest.mark.anyio
+async def test_servers_in_processes_cannot_finish_the_rollouts(tmp_path: Path) -> None:
+    # Finishing needs a connection per rollout on every hop: the suites' reason to park in
+    # one process (D201). Refused before anything is parked.
+    with pytest.raises(ValueError, match="servers='processes' with finish=True"):
+        await crash_restore_cycle(tmp_path, 2, finish=True, servers="processes")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.anyio
 async def test_every_restored_rollout_finishes_after_the_crash(tmp_path: Path) -> None:
     row = await crash_restore_cycle(tmp_path, 4, finish=True)

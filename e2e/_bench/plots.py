@@ -118,14 +118,26 @@ def _column(rows: Sequence[Mapping[str, Any]], field: str) -> list[float]:
     return [float(row[field]) for row in rows]
 
 
-def _draw_checkpoint(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
+def _lines(
+    axes: Axes, rows: Sequence[Mapping[str, Any]], series: Sequence[tuple[str, str, str]]
+) -> list[float]:
+    """One line per ``(field, label, style)`` against rollouts; the rollouts."""
     counts = _column(rows, "rollouts")
-    for field, label, style in (
-        ("pause_s", "admission closed (prepare → resume)", "o-"),
-        ("overhead_s", "control-plane overhead (no boundary wait)", "s--"),
-        ("floor_s", "floor: same bytes, one fsync per file", "^:"),
-    ):
-        axes[0].plot(counts, _column(rows, field), style, label=label)
+    for field, label, style in series:
+        axes.plot(counts, _column(rows, field), style, label=label)
+    return counts
+
+
+def _draw_checkpoint(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
+    counts = _lines(
+        axes[0],
+        rows,
+        (
+            ("pause_s", "admission closed (prepare → resume)", "o-"),
+            ("overhead_s", "control-plane overhead (no boundary wait)", "s--"),
+            ("floor_s", "floor: same bytes, one fsync per file", "^:"),
+        ),
+    )
     floors = _column(rows, "floor_s")
     axes[0].plot(
         counts, [3 * floor for floor in floors], "--", color="grey", label="3 times the floor"
@@ -184,13 +196,15 @@ def _draw_restore(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
 
 
 def _draw_scale(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
-    counts = _column(rows, "rollouts")
-    for field, label, style in (
-        ("pause_s", "checkpoint pause", "o-"),
-        ("restore_s", "restore", "s-"),
-        ("floor_s", "restore's floor", "^:"),
-    ):
-        axes[0].plot(counts, _column(rows, field), style, label=label)
+    counts = _lines(
+        axes[0],
+        rows,
+        (
+            ("pause_s", "checkpoint pause", "o-"),
+            ("restore_s", "restore", "s-"),
+            ("floor_s", "restore's floor", "^:"),
+        ),
+    )
     _rollouts_axis(axes[0], counts, log_y=True, ylabel="seconds")
     _per_rollout_panel(axes[1], rows, "restore per rollout")
     memory = axes[1].twinx()

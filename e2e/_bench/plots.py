@@ -12,6 +12,7 @@ picture marks the goals of issue 20 where it has one.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,15 +48,21 @@ def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
 
 
+def _is_positive(value: object) -> bool:
+    """A finite number above zero: what a log axis can draw (every bench figure is one)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and 0 < value < math.inf
+
+
 def check_plottable(payload: object) -> tuple[str, list[dict[str, Any]]]:
     """The suite and the rows to draw: every measured row, by rollouts.
 
     A ``bench scale`` rung that was skipped or failed is not a measured row; at least one row
-    must be measured.
+    must be measured, and every figure it draws is a finite number above zero (the axes are
+    logarithmic).
 
     Raises:
         NotPlottableError: ``payload`` is not a bench's JSON object, its suite has no picture,
-            or a measured row lacks a figure (or holds one that is not a number).
+            or a measured row lacks a figure (or holds one that is not a positive number).
     """
     if not isinstance(payload, Mapping):
         raise NotPlottableError("not a bench's JSON object")
@@ -71,8 +78,8 @@ def check_plottable(payload: object) -> tuple[str, list[dict[str, Any]]]:
         raise NotPlottableError(f"no measured row in {ROWS_KEY[suite]!r}")
     for index, row in enumerate(measured):
         for field in NEEDED[suite]:
-            if not _is_number(row.get(field)):
-                raise NotPlottableError(f"measured row {index} has no number in {field!r}")
+            if not _is_positive(row.get(field)):
+                raise NotPlottableError(f"measured row {index} has no positive number in {field!r}")
     measured.sort(key=lambda row: row["rollouts"])
     return suite, measured
 
@@ -154,7 +161,7 @@ def _floor_range(rows: Sequence[Mapping[str, Any]]) -> tuple[list[float], list[f
     below, above = [], []
     for row in rows:
         samples = row.get("floor_samples_s")
-        if not isinstance(samples, list) or not samples or not all(map(_is_number, samples)):
+        if not isinstance(samples, list) or not samples or not all(map(_is_positive, samples)):
             return None
         below.append(float(row["floor_s"]) - min(samples))
         above.append(max(samples) - float(row["floor_s"]))

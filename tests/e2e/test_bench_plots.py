@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +71,16 @@ def test_a_payload_without_a_picture_is_refused(payload: object, why: str) -> No
         check_plottable(payload)
 
 
-@pytest.mark.parametrize("bad", [None, "0.9", True])
-def test_a_row_without_a_number_for_a_figure_is_refused_by_name(bad: object) -> None:
-    payload = _restore_payload()
-    payload["rows"][1]["restore_s"] = bad
-    with pytest.raises(NotPlottableError, match="measured row 1 has no number in 'restore_s'"):
-        check_plottable(payload)
+@pytest.mark.parametrize("bad", [None, "0.9", True, 0, -0.5, math.nan, math.inf])
+def test_a_row_without_a_positive_number_for_a_figure_is_refused_by_name(bad: object) -> None:
+    # The axes are logarithmic: a zero, a negative or a NaN would be dropped with a warning.
+    for field in ("restore_s", "rollouts"):
+        payload = _restore_payload()
+        payload["rows"][1][field] = bad
+        with pytest.raises(
+            NotPlottableError, match=f"measured row 1 has no positive number in '{field}'"
+        ):
+            check_plottable(payload)
 
 
 def test_a_refused_payload_writes_nothing(tmp_path: Path) -> None:
@@ -132,7 +137,10 @@ def test_bench_plot_draws_a_saved_payload_again(tmp_path: Path) -> None:
     [
         ("{", "not JSON (Expecting property name enclosed in double quotes, line 1)"),
         ('{"suite": "ledger"}', "suite 'ledger' has no picture"),
-        ('{"suite": "restore", "rows": [{"rollouts": 1}]}', "measured row 0 has no number"),
+        (
+            '{"suite": "restore", "rows": [{"rollouts": 1}]}',
+            "measured row 0 has no positive number",
+        ),
     ],
 )
 def test_bench_plot_refuses_a_file_it_cannot_draw_in_one_line(

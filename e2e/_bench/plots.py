@@ -35,10 +35,6 @@ PER_ROLLOUT_GROWTH_GOAL = 1.3
 """Issue 20: restore per rollout at 16,000 within 1.3 times that at 4,000."""
 
 
-class NotPlottableError(ValueError):
-    """A payload that no picture can be drawn from; the message says why."""
-
-
 def plot_file(suite: str) -> str:
     """The picture's file name for ``suite``: ``checkpoint.png``."""
     return f"{suite}.png"
@@ -61,25 +57,25 @@ def check_plottable(payload: object) -> tuple[str, list[dict[str, Any]]]:
     logarithmic).
 
     Raises:
-        NotPlottableError: ``payload`` is not a bench's JSON object, its suite has no picture,
+        ValueError: ``payload`` is not a bench's JSON object, its suite has no picture,
             or a measured row lacks a figure (or holds one that is not a positive number).
     """
     if not isinstance(payload, Mapping):
-        raise NotPlottableError("not a bench's JSON object")
+        raise ValueError("not a bench's JSON object")
     suite = payload.get("suite")
     if suite not in ROWS_KEY:
         known = ", ".join(sorted(ROWS_KEY))
-        raise NotPlottableError(f"suite {suite!r} has no picture (pictures exist for {known})")
+        raise ValueError(f"suite {suite!r} has no picture (pictures exist for {known})")
     rows = payload.get(ROWS_KEY[suite])
     if not isinstance(rows, list) or not all(isinstance(row, Mapping) for row in rows):
-        raise NotPlottableError(f"{ROWS_KEY[suite]!r} is not a list of rows")
+        raise ValueError(f"{ROWS_KEY[suite]!r} is not a list of rows")
     measured = [dict(row) for row in rows if "skipped" not in row and "error" not in row]
     if not measured:
-        raise NotPlottableError(f"no measured row in {ROWS_KEY[suite]!r}")
+        raise ValueError(f"no measured row in {ROWS_KEY[suite]!r}")
     for index, row in enumerate(measured):
         for field in NEEDED[suite]:
             if not _is_positive(row.get(field)):
-                raise NotPlottableError(f"measured row {index} has no positive number in {field!r}")
+                raise ValueError(f"measured row {index} has no positive number in {field!r}")
     measured.sort(key=lambda row: row["rollouts"])
     return suite, measured
 
@@ -235,7 +231,7 @@ def draw(payload: Mapping[str, Any], path: Path) -> Path:
     """Draw ``payload``'s picture into ``path`` (a PNG); the path.
 
     Raises:
-        NotPlottableError: As :func:`check_plottable`; nothing is written.
+        ValueError: As :func:`check_plottable`; nothing is written.
         OSError: ``path`` cannot be written.
     """
     suite, rows = check_plottable(payload)

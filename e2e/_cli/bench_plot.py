@@ -14,7 +14,7 @@ from typing import Annotated
 
 import typer
 
-from .._bench.plots import NotPlottableError, check_plottable, draw
+from .._bench.plots import check_plottable, draw
 from .output import JsonOption, console, emit, usage_error
 
 
@@ -54,7 +54,7 @@ def add_plot_command(bench: typer.Typer) -> None:
             usage_error(f"{source}: not JSON ({exc.msg}, line {exc.lineno})")
         try:
             suite, rows = check_plottable(payload)
-        except NotPlottableError as exc:
+        except ValueError as exc:  # check_plottable says why the payload has no picture
             usage_error(f"{source}: {exc}")
         if target.resolve() == source.resolve():
             usage_error(f"--out {target}: that is the JSON being drawn")

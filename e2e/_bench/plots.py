@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -131,7 +131,9 @@ def _lines(
     return counts
 
 
-def _draw_checkpoint(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
+def _draw_checkpoint(
+    payload: Mapping[str, Any], rows: list[dict[str, Any]], axes: list[Axes]
+) -> str:
     counts = _lines(
         axes[0],
         rows,
@@ -179,35 +181,39 @@ def _per_rollout_panel(axes: Axes, rows: Sequence[Mapping[str, Any]], label: str
     _rollouts_axis(axes, counts, log_y=False, ylabel="µs per rollout")
 
 
-def _draw_restore(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
-    counts = _column(rows, "rollouts")
-    floors = _column(rows, "floor_s")
-    axes[0].plot(counts, _column(rows, "restore_s"), "o-", label="restore (request → every reply)")
+def _floor_line(axes: Axes, rows: Sequence[Mapping[str, Any]], label: str) -> list[float]:
+    """The restore's floor against rollouts, each with the spread of its samples when listed;
+    the floors."""
+    counts, floors = _column(rows, "rollouts"), _column(rows, "floor_s")
     spread = _floor_range(rows)
-    label = "floor: read the records, write them again (median of its samples)"
     if spread is None:
-        axes[0].plot(counts, floors, "^:", label=label)
+        axes.plot(counts, floors, "^:", label=label)
     else:
-        axes[0].errorbar(counts, floors, yerr=spread, fmt="^:", capsize=3, label=label)
+        axes.errorbar(counts, floors, yerr=spread, fmt="^:", capsize=3, label=label)
+    return floors
+
+
+def _draw_restore(payload: Mapping[str, Any], rows: list[dict[str, Any]], axes: list[Axes]) -> str:
+    counts = _column(rows, "rollouts")
+    axes[0].plot(counts, _column(rows, "restore_s"), "o-", label="restore (request → every reply)")
+    floors = _floor_line(
+        axes[0], rows, "floor: read the records, write them again (median of its samples)"
+    )
     axes[0].plot(
         counts, [10 * floor for floor in floors], "--", color="grey", label="10 times the floor"
     )
     axes[0].plot([16_000], [5.0], "x", color="grey", label="goal: 5 s at 16,000")
     _rollouts_axis(axes[0], counts, log_y=True, ylabel="seconds (median)")
     _per_rollout_panel(axes[1], rows, "restore per rollout")
-    return "midflight bench restore"
+    where = "a process per server" if payload.get("servers") == "processes" else "one process"
+    return f"midflight bench restore: restored into {where}"
 
 
-def _draw_scale(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
+def _draw_scale(payload: Mapping[str, Any], rows: list[dict[str, Any]], axes: list[Axes]) -> str:
     counts = _lines(
-        axes[0],
-        rows,
-        (
-            ("pause_s", "checkpoint pause", "o-"),
-            ("restore_s", "restore", "s-"),
-            ("floor_s", "restore's floor", "^:"),
-        ),
+        axes[0], rows, (("pause_s", "checkpoint pause", "o-"), ("restore_s", "restore", "s-"))
     )
+    _floor_line(axes[0], rows, "restore's floor (median of its samples)")
     _rollouts_axis(axes[0], counts, log_y=True, ylabel="seconds")
     _per_rollout_panel(axes[1], rows, "restore per rollout")
     memory = axes[1].twinx()
@@ -220,7 +226,10 @@ def _draw_scale(rows: list[dict[str, Any]], axes: list[Axes]) -> str:
     return "midflight bench scale: checkpoint → crash → restore, none lost"
 
 
-_DRAW: dict[str, tuple[int, Callable[[list[dict[str, Any]], list[Axes]], str]]] = {
+_Drawing: TypeAlias = "Callable[[Mapping[str, Any], list[dict[str, Any]], list[Axes]], str]"
+"""Draws a payload's rows into the panels; returns the picture's title."""
+
+_DRAW: dict[str, tuple[int, _Drawing]] = {
     "checkpoint": (1, _draw_checkpoint),
     "restore": (2, _draw_restore),
     "scale": (2, _draw_scale),
@@ -237,7 +246,7 @@ def draw(payload: Mapping[str, Any], path: Path) -> Path:
     suite, rows = check_plottable(payload)
     panels, draw_panels = _DRAW[suite]
     figure, axes = _figure(panels)
-    title = draw_panels(rows, axes)
+    title = draw_panels(payload, rows, axes)
     if notes := _unmeasured(payload, suite):
         title += "\nnot drawn: " + "; ".join(notes)
     figure.suptitle(title, fontsize=10)

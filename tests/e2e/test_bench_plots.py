@@ -178,3 +178,9 @@ def test_a_rung_not_measured_is_named_under_the_title(tmp_path: Path) -> None:
     with_note = draw(payload, tmp_path / "noted.png").read_bytes()
     payload["rungs"].pop()  # the skipped rung: the drawn rows are the same, the title is not
     assert draw(payload, tmp_path / "plain.png").read_bytes() != with_note
+
+
+def test_a_restore_picture_says_where_the_servers_ran(tmp_path: Path) -> None:
+    in_one = draw(_restore_payload(), tmp_path / "one.png").read_bytes()
+    per_server = {**_restore_payload(), "servers": "processes"}  # D447
+    assert draw(per_server, tmp_path / "many.png").read_bytes() != in_one

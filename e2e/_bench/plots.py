@@ -17,6 +17,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
+from .process_cluster import RESTORED_INTO, RestoreServers
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -205,7 +207,8 @@ def _draw_restore(payload: Mapping[str, Any], rows: list[dict[str, Any]], axes: 
     axes[0].plot([16_000], [5.0], "x", color="grey", label="goal: 5 s at 16,000")
     _rollouts_axis(axes[0], counts, log_y=True, ylabel="seconds (median)")
     _per_rollout_panel(axes[1], rows, "restore per rollout")
-    where = "a process per server" if payload.get("servers") == "processes" else "one process"
+    servers = str(payload.get("servers", RestoreServers.in_process))
+    where = RESTORED_INTO.get(servers, RESTORED_INTO[RestoreServers.in_process])
     return f"midflight bench restore: restored into {where}"
 
 

@@ -4,8 +4,8 @@ A cycle parks N rollouts on an in-process cluster in a child process, takes one 
 checkpoint, and crashes: the child is SIGKILLed (its rollouts cancelled, nothing retired or
 drained), and a fresh cluster starts on the same run root in the bench's own process, which has
 served nothing, as a restore's processes always have (D19, D376); with ``servers="processes"``
-it starts as a process per server instead (D447). The controller reads ``LATEST`` and restores every continued episode; the time from sending
-restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
+it starts as a process per server instead (D447). The controller reads ``LATEST`` and restores
+every continued episode; the time from sending restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
 the same bytes elsewhere, one fsync per file; it is taken ``FLOOR_SAMPLES`` times, each copy
 removed before the next, and ``floor_s`` is the median (``floor_samples_s`` holds each, D445);
 ``ratio`` = ``restore_s / floor_s``;
@@ -41,7 +41,7 @@ from .common import PARKING, InProcessCluster, Workload, files_under, median, ra
 from .common import write_floor as write_same_bytes
 from .crashed_cluster import park_and_crash
 from .growth import add_growth, slopes, us_per_rollout
-from .process_cluster import SERVER_CHOICES, ProcessCluster
+from .process_cluster import ProcessCluster, RestoreServers
 
 SIZES: Final = (100, 1000, 4000)
 RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)
@@ -104,7 +104,7 @@ async def crash_restore_cycle(
     Raises:
         ValueError: ``servers`` is unknown, or ``processes`` with ``finish``.
     """
-    if servers not in SERVER_CHOICES or (servers == "processes" and finish):
+    if servers not in tuple(RestoreServers) or (servers == RestoreServers.processes and finish):
         raise ValueError(f"cannot restore on servers={servers!r} with finish={finish}")
     run_root = root / "run"
     episodes = [EpisodeId(rollout_id=f"r{i:06d}", attempt=0) for i in range(rollouts)]
@@ -118,7 +118,7 @@ async def crash_restore_cycle(
     continued = list(latest.continued)
     second: InProcessCluster | ProcessCluster = (
         ProcessCluster(run_root, restored)
-        if servers == "processes"
+        if servers == RestoreServers.processes
         else InProcessCluster(run_root, restored)
     )
     results: list[dict[str, Any]] = []

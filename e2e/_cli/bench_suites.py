@@ -1,8 +1,9 @@
 """``midflight bench checkpoint|restore|overhead|scale``: the control plane's figures at scale.
 
 Each suite measures its floor in the same run and prints the ratio; ``--json`` prints one JSON
-object, ``--out DIR`` also writes ``<suite>.json`` there (and, for ``checkpoint``, ``restore`` and
-``scale``, its picture ``<suite>.png``), ``--profile PATH`` writes a pyinstrument profile of the timed sections.
+object, ``--out DIR`` also writes ``<suite>.json`` there (and, for ``checkpoint``, ``restore``
+and ``scale``, its picture ``<suite>.png``), ``--profile PATH`` writes a pyinstrument profile of
+the timed sections.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import tempfile
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,18 +23,12 @@ from .._bench.common import quiet_logs, reporting_stages, under_load
 from .._bench.output import Profile, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.plots import ROWS_KEY, draw, plot_file
+from .._bench.process_cluster import RESTORED_INTO, RestoreServers
 from .._bench.restore import run_restore_bench
 from .._bench.scale import LADDER, run_scale_bench
 from .bench_paths import DirOption, OutOption, ProfileOption, refuse_unusable_paths
 from .bench_progress import BenchProgress
 from .output import JsonOption, console, emit, error_console, print_whole
-
-
-class RestoreServers(StrEnum):
-    """``bench restore --servers``: where the restore runs (D447)."""
-
-    in_process = "in-process"
-    processes = "processes"
 
 
 def _table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str]]) -> None:
@@ -282,8 +276,8 @@ def add_suite_commands(bench: typer.Typer) -> None:
 
         def render() -> None:
             _table(
-                f"restore: median of {repeats}; {payload['parking']}; restored on "
-                f"{'a process per server' if payload['servers'] == 'processes' else 'this process'}",
+                f"restore: median of {repeats}; {payload['parking']}; restored into "
+                f"{RESTORED_INTO[payload['servers']]}",
                 payload["rows"],
                 [
                     ("rollouts", "rollouts"),

@@ -146,8 +146,9 @@ class Figures:
             reasons.append(f"a crash on Ray killed no process (killed per crash: {killed})")
         # A crash must bring rollouts back: restored, or (restart-only resources) run again.
         restarted = v.get("restarted_per_crash") or [0] * len(v["restored_per_crash"])
-        if any(n + r == 0 for n, r in zip(v["restored_per_crash"], restarted, strict=False)):
-            reasons.append("a crash restored nothing")
+        per_crash = zip(v["restored_per_crash"], restarted, strict=False)
+        if idle := [str(i) for i, (n, r) in enumerate(per_crash, 1) if n + r == 0]:
+            reasons.append(f"a crash restored nothing (crash {', '.join(idle)} of {v['crashes']})")
         # Repeats are checked against the calls a restored checkpoint had delivered: none, no proof.
         if v["restored"] and v["restored_delivered"] < 1:
             reasons.append("no restored checkpoint recorded a delivered call")

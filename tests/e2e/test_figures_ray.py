@@ -55,3 +55,13 @@ def test_a_run_whose_restored_checkpoints_recorded_no_delivered_call_proves_noth
         restored_delivered=0, restored=0, restored_per_crash=[0, 0], restarted_per_crash=[2, 2]
     )
     assert restarts.failed_checks() == []
+
+
+def test_a_crash_that_brought_nothing_back_fails_the_drill_and_is_named() -> None:
+    reasons = green_on_ray(restored_per_crash=[3, 0], restored=3).failed_checks()
+    assert reasons == ["a crash restored nothing (crash 2 of 2)"]
+    both = green_on_ray(restored_per_crash=[0, 0], restored=0, restored_delivered=0)
+    assert both.failed_checks() == ["a crash restored nothing (crash 1, 2 of 2)"]
+    # Rollouts run again from their input (restart-only resources) are brought back too.
+    restarted = green_on_ray(restored_per_crash=[3, 0], restarted_per_crash=[0, 4])
+    assert restarted.failed_checks() == []

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-from .process_cluster import RESTORED_INTO, RestoreServers
+from .restore_servers import RESTORED_INTO, RestoreServers
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from enum import StrEnum
 from pathlib import Path
 from typing import Final
 
@@ -24,21 +23,6 @@ from coordinator import Coordinator, discover
 from .._launch.supervisor import Supervisor, SupervisorOptions
 from .._servers.cluster import PARTICIPANT_ROLES, read_cluster
 from .common import TOKEN, Workload
-
-
-class RestoreServers(StrEnum):
-    """Where ``bench restore`` restores (``--servers``): the bench's own process (the default,
-    as every suite), or a process per server."""
-
-    in_process = "in-process"
-    processes = "processes"
-
-
-RESTORED_INTO: Final[dict[str, str]] = {
-    RestoreServers.in_process: "one process",
-    RestoreServers.processes: "a process per server",
-}
-"""How a table or a picture names where a restore ran (a payload's ``servers``)."""
 
 START_TIMEOUT_SECONDS: Final = 60.0
 """Each server's start and health wait: five Python processes importing at once on two cores."""

@@ -5,10 +5,10 @@ checkpoint, and crashes: the child is SIGKILLed (its rollouts cancelled, nothing
 drained), and a fresh cluster starts on the same run root in the bench's own process, which has
 served nothing, as a restore's processes always have (D19, D376); with ``servers="processes"``
 it starts as a process per server instead (D447). The controller reads ``LATEST`` and restores
-every continued episode; the time from sending restore to resume returning is ``restore_s``. The floor reads the checkpoint's files and writes
-the same bytes elsewhere, one fsync per file; it is taken ``FLOOR_SAMPLES`` times, each copy
-removed before the next, and ``floor_s`` is the median (``floor_samples_s`` holds each, D445);
-``ratio`` = ``restore_s / floor_s``;
+every continued episode; the time from sending restore to resume returning is ``restore_s``.
+The floor reads the checkpoint's files and writes the same bytes elsewhere, one fsync per file;
+it is taken ``FLOOR_SAMPLES`` times, each copy removed before the next, and ``floor_s`` is the
+median (``floor_samples_s`` holds each, D445); ``ratio`` = ``restore_s / floor_s``;
 ``us_per_rollout`` is ``restore_s`` per rollout, and the suite adds the slope between sizes.
 
 Then, as a controller does after every restore, it retires the attempts it logged and did not
@@ -41,7 +41,8 @@ from .common import PARKING, InProcessCluster, Workload, files_under, median, ra
 from .common import write_floor as write_same_bytes
 from .crashed_cluster import park_and_crash
 from .growth import add_growth, slopes, us_per_rollout
-from .process_cluster import ProcessCluster, RestoreServers
+from .process_cluster import ProcessCluster
+from .restore_servers import RestoreServers
 
 SIZES: Final = (100, 1000, 4000)
 RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)

@@ -23,8 +23,8 @@ from .._bench.common import quiet_logs, reporting_stages, under_load
 from .._bench.output import Profile, write_json
 from .._bench.overhead import run_overhead_bench
 from .._bench.plots import ROWS_KEY, draw, plot_file
-from .._bench.process_cluster import RESTORED_INTO, RestoreServers
 from .._bench.restore import run_restore_bench
+from .._bench.restore_servers import RESTORED_INTO, RestoreServers
 from .._bench.scale import LADDER, run_scale_bench
 from .bench_paths import DirOption, OutOption, ProfileOption, refuse_unusable_paths
 from .bench_progress import BenchProgress

@@ -28,7 +28,6 @@ from protocols import (
     PhaseEvent,
     RestartInScopeError,
     StaleCheckpointError,
-    sorted_capture_keys,
 )
 
 from .._storage.checkpoint_root import participant_path
@@ -37,7 +36,7 @@ from .._tracing import checkpoint_span, set_checkpoint_attributes
 from .clock import wait_until
 from .jobs import Job
 from .participant import Record
-from .restore_batch import RestoreScope
+from .restore_batch import RestoreScope, scope_identity
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,7 +61,7 @@ def record_episode(record: Any, index: int) -> EpisodeId:
 @dataclass(eq=False)
 class _Commit:
     checkpoint_id: str
-    args: tuple[str, tuple[str, ...] | None]
+    args: tuple[str, frozenset[tuple[str, int]] | None]
     share: ShareLocation  # this participant's own directory (or s3:// URL) in the checkpoint
     scope: list[EpisodeId] | None
     export_job: Job[list[Record]] | None = None
@@ -98,8 +97,8 @@ class CommitProcedure:
             instance=plane.participant.instance,
         )
         scope = request.episode_ids
-        scope_keys = None if scope is None else tuple(sorted_capture_keys(scope))
-        args = (str(directory), scope_keys)  # the canonical location: resolved, or the URL
+        # The canonical location (resolved, or the URL) and the attempts in scope (D449).
+        args = (str(directory), None if scope is None else scope_identity(scope))
         deadline = request.deadline_ts
         async with plane.lock:
             await plane.expire_lease_if_due()
@@ -121,7 +120,11 @@ class CommitProcedure:
                         f"no longer ready to commit: blockers={report.blockers[:10]} "
                         f"({report.blocker_count} in all); nothing was written"
                     )
-                clash = set(scope_keys or ()) & set(report.restarts)
+                clash = (
+                    {e.capture_key for e in scope} & set(report.restarts)
+                    if scope is not None and report.restarts
+                    else set()
+                )
                 if clash:
                     raise RestartInScopeError(
                         f"the scope names episodes reported as restarts: {sorted(clash)[:10]}"

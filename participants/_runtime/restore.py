@@ -25,7 +25,6 @@ from protocols import (
     PhaseEvent,
     RestoreReply,
     RestoreRequest,
-    sorted_capture_keys,
 )
 
 from .._storage.checkpoint_root import participant_path
@@ -148,8 +147,8 @@ class RestoreProcedure:
             instance=plane.participant.instance,
         )
         scope = RestoreScope(request.episode_ids)  # one index, shared by every step below
-        scope_keys = sorted_capture_keys(scope)
-        args = (str(directory), tuple(scope_keys))  # the canonical location: resolved, or the URL
+        # The canonical location (resolved, or the URL) and the attempts in scope (D449).
+        args = (str(directory), scope.identity())
         deadline = request.deadline_ts
         async with plane.lock:
             await plane.expire_lease_if_due()

@@ -13,7 +13,7 @@ import participants._runtime.restore as transfer
 from participants import RecordsWriter
 from participants._runtime.collector import pauses_active
 from participants._runtime.restore_batch import RestoreScope
-from protocols import EpisodeId, InvalidCheckpointStateError, Phase
+from protocols import CheckpointConflictError, EpisodeId, InvalidCheckpointStateError, Phase
 
 from .runtime_support import ep, harness, restore_req
 
@@ -107,3 +107,26 @@ async def test_a_failed_install_turns_the_collector_back_on(tmp_path: Path) -> N
         with pytest.raises(InvalidCheckpointStateError):
             await h.plane.restore(restore_req(directory, [ep("a")]))
     assert gc.isenabled() and pauses_active() == 0
+
+
+@pytest.mark.parametrize(
+    "retry",
+    [
+        [ep("a"), ep("b", 1), ep("c")],  # one attempt more
+        [ep("a")],  # one attempt fewer
+        [ep("a"), ep("b", 2)],  # another attempt of a scoped rollout
+        [ep("a", 1), ep("b", 1)],  # the next attempt's own capture key
+    ],
+)
+async def test_a_restore_retried_under_another_scope_conflicts_and_installs_nothing_more(
+    tmp_path: Path, retry: list[EpisodeId]
+) -> None:
+    directory = _checkpoint(tmp_path, [_record("a"), _record("c"), _record("b", 1, step=2)])
+    async with harness(tmp_path) as h:
+        reply = await h.plane.restore(restore_req(directory, [ep("a"), ep("b", 1)]))
+        # The same attempts again, reordered and one named twice: the same call (D449).
+        again = await h.plane.restore(restore_req(directory, [ep("b", 1), ep("a"), ep("b", 1)]))
+        assert again == reply
+        with pytest.raises(CheckpointConflictError):
+            await h.plane.restore(restore_req(directory, retry))
+    assert sorted(h.fake.restored) == ["a-a1", "b-a2"]

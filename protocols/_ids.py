@@ -295,7 +295,7 @@ def capture_key(rollout_id: str, attempt: int = 0) -> str:
 
 
 def sorted_capture_keys(episode_ids: Iterable[EpisodeId]) -> list[str]:
-    """The sorted, de-duplicated capture keys of some episodes: how scopes are compared."""
+    """The sorted, de-duplicated capture keys of some episodes (a model share's order)."""
     return sorted({episode.capture_key for episode in episode_ids})
 
 

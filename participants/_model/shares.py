@@ -14,7 +14,13 @@ from typing import Any, Final
 import anyio
 import anyio.to_thread
 
-from protocols import AdmissionClosedError, CaptureLedger, EpisodeId, GenerationCutRecord
+from protocols import (
+    AdmissionClosedError,
+    CaptureLedger,
+    EpisodeId,
+    GenerationCutRecord,
+    sorted_capture_keys,
+)
 
 from .gate import ModelGate, ModelTicket
 
@@ -61,7 +67,7 @@ async def share_episodes(
 ) -> dict[str, dict[str, Any]]:
     """Each scoped episode's rows without undelivered calls, its cut, and that cut's admission."""
     episodes: dict[str, dict[str, Any]] = {}
-    keys = sorted({episode.capture_key for episode in episode_ids})
+    keys = sorted_capture_keys(episode_ids)
     exported: list[list[dict[str, Any]]] = []
     for start in range(0, len(keys), SHARE_BATCH):  # one thread hop per batch, not per episode
         batch = keys[start : start + SHARE_BATCH]

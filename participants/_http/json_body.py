@@ -1,15 +1,18 @@
 """A route's JSON body validated straight from its bytes, in one pydantic call (D450).
 
 FastAPI reads a JSON body with ``json.loads`` and then validates the Python objects that made,
-which at thousands of episode ids or cut prefixes costs more than twice what pydantic takes to
-validate the bytes themselves. :func:`prevalidate_json_body` validates the bytes first and hands
-FastAPI the model, which it takes as it is. A body that does not validate this way is left to
-FastAPI's own parse, so every refusal, and its detail, is the one FastAPI has always given.
+which at thousands of episode ids costs about half as much again as pydantic validating the
+bytes themselves. :func:`prevalidating` validates the bytes first and hands FastAPI the model,
+which it takes as it is. A body that does not validate this way is left to FastAPI's own parse,
+so every refusal, and its detail, is the one FastAPI has always given.
 """
 
 from __future__ import annotations
 
-from fastapi import Request
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+from fastapi import Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
@@ -33,7 +36,19 @@ def json_body_model(route: APIRoute) -> type[BaseModel] | None:
     return model
 
 
-async def prevalidate_json_body(request: Request, model: type[BaseModel]) -> None:
+def prevalidating(
+    handler: Callable[[Request], Awaitable[Response]], model: type[BaseModel]
+) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+    """``handler``, with each request's body prevalidated as ``model`` first."""
+
+    async def prevalidated(request: Request) -> Response:
+        await _prevalidate(request, model)
+        return await handler(request)
+
+    return prevalidated
+
+
+async def _prevalidate(request: Request, model: type[BaseModel]) -> None:
     """Validate ``request``'s body as ``model`` from its bytes, where it validates.
 
     FastAPI asks the request for its JSON only when the content type says JSON and the body is

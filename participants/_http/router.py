@@ -21,7 +21,6 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from protocols import (
@@ -51,7 +50,7 @@ from .._runtime.collector import collector_paused
 from .._runtime.plane import ControlPlane
 from .._tracing import SERVER_TELEMETRY
 from .body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from .json_body import json_body_model, prevalidate_json_body
+from .json_body import json_body_model, prevalidating
 
 _log = structlog.get_logger("midflight.http")
 
@@ -152,7 +151,7 @@ def authenticated_route_class(token: str) -> type[APIRoute]:
             handler = super().get_route_handler()
             body_model = json_body_model(self)
             if body_model is not None:
-                handler = _prevalidating(handler, body_model)
+                handler = prevalidating(handler, body_model)
 
             async def guarded(request: Request) -> Response:
                 if not authorized(request.headers.get("authorization"), token):
@@ -167,16 +166,6 @@ def authenticated_route_class(token: str) -> type[APIRoute]:
             return guarded
 
     return AuthenticatedRoute
-
-
-def _prevalidating(
-    handler: Callable[[Request], Awaitable[Response]], model: type[BaseModel]
-) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-    async def prevalidated(request: Request) -> Response:
-        await prevalidate_json_body(request, model)
-        return await handler(request)
-
-    return prevalidated
 
 
 async def envelope_errors(

@@ -1,5 +1,6 @@
 """The connection pool every midflight client sends through: httpcore's, with its assignment pass
-replaced (D381, D384, D407).
+replaced (D381, D384, D407), and sockets that look for the server's close before a request is
+sent on them again (D451).
 
 httpx 0.28 builds on httpcore 1.0.9, whose pool misbehaves with hundreds of requests at once on
 one client, which is where a controller of thousands of rollouts, and the reference servers'
@@ -10,16 +11,22 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import select
+import socket
+import ssl
 import time
 from collections.abc import Iterable
-from typing import Final, cast
+from typing import Any, Final, cast
 
 import httpcore
 import httpx
+import structlog
 from httpcore._async.connection_pool import AsyncPoolRequest
 from httpcore._async.interfaces import AsyncConnectionInterface
+from httpcore._backends.base import SOCKET_OPTION as SocketOption
 
 Connection = AsyncConnectionInterface
+_log: Final = structlog.get_logger("midflight.http")
 OriginKey = tuple[bytes, bytes, int]
 SWEEP_EVERY: Final = 256
 """Passes between two sweeps of every connection for closed ones no request released."""
@@ -197,9 +204,101 @@ class LinearConnectionPool(httpcore.AsyncConnectionPool):
             self._drop(connection)
 
 
+class _CheckedStream(httpcore.AsyncNetworkStream):
+    """A connection's socket that looks for the server's close before a request goes out on it
+    again (D451).
+
+    The pool asks a connection whether the server closed it when a request takes it
+    (``has_expired()``), but the request's task then passes several awaits before its first byte
+    goes out, and on a loaded event loop each can take seconds. A server's keep-alive close that
+    lands in between meets the request: ``ReadError('')``. The first write of each request after
+    the first on this connection asks again; input waiting on an idle HTTP/1.1 connection can only
+    be the server's close (httpcore reads it the same way), so the request is refused with
+    ``ConnectionNotAvailable``, and httpcore's pool closes this connection and sends the request
+    on another. Nothing of the request has been sent.
+    """
+
+    def __init__(self, stream: httpcore.AsyncNetworkStream) -> None:
+        self._stream = stream
+        self._socket: socket.socket | None = stream.get_extra_info("socket")
+        """Kept: httpcore's ``is_readable`` finds the socket again each time (``getpeername``)."""
+        self._answered = False
+        """Whether a read came after the last write: the next write begins a new request."""
+
+    def _closed_by_server(self) -> bool:
+        if self._socket is None:
+            return bool(self._stream.get_extra_info("is_readable"))
+        fileno = self._socket.fileno()
+        if fileno < 0:
+            return True  # closed here: the write fails as it would have, on another connection
+        poll = select.poll()
+        poll.register(fileno, select.POLLIN)
+        return bool(poll.poll(0))
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        data = await self._stream.read(max_bytes, timeout)
+        self._answered = True
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if self._answered:
+            self._answered = False
+            if self._closed_by_server():
+                # Rare by design (a server closes an idle connection long after this pool
+                # would have): worth a line, since it says a loop here was far behind.
+                _log.warning("pooled_connection_closed_by_server")
+                raise httpcore.ConnectionNotAvailable()
+        await self._stream.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+    ) -> httpcore.AsyncNetworkStream:
+        return _CheckedStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._stream.get_extra_info(info)
+
+
+class _CheckedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, handing out :class:`_CheckedStream` sockets."""
+
+    def __init__(self, backend: httpcore.AsyncNetworkBackend) -> None:
+        self._backend = backend
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: Iterable[SocketOption] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._backend.connect_tcp(host, port, timeout, local_address, socket_options)
+        return _CheckedStream(stream)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: Iterable[SocketOption] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        stream = await self._backend.connect_unix_socket(path, timeout, socket_options)
+        return _CheckedStream(stream)
+
+    async def sleep(self, seconds: float) -> None:
+        await self._backend.sleep(seconds)
+
+
 def http_transport(limits: httpx.Limits, *, retries: int = 0) -> httpx.AsyncHTTPTransport:
     """``httpx.AsyncHTTPTransport(limits=limits, retries=retries)`` sending through a
-    :class:`LinearConnectionPool`.
+    :class:`LinearConnectionPool` whose connections check for the server's close before each
+    request after their first.
 
     Args:
         limits: The pool's limits (a client given a transport ignores its own ``limits=``).
@@ -212,4 +311,5 @@ def http_transport(limits: httpx.Limits, *, retries: int = 0) -> httpx.AsyncHTTP
         raise RuntimeError(f"http_transport expects httpcore's HTTP/1.1 pool, not {pool!r}")
     pool.__class__ = LinearConnectionPool  # the same state; only the pass differs
     cast(LinearConnectionPool, pool).adopt()
+    pool._network_backend = _CheckedBackend(pool._network_backend)
     return transport

@@ -47,6 +47,7 @@ from participants import (
 from .._servers.context import HOST, ServeContext, control_settings
 from .._servers.peer_pool import SERVER_KEEP_ALIVE_S
 from .hosting import announce_listening, on_main_thread, serve_argv
+from .keep_alive import PatientH11Protocol
 from .lifeline import Lifeline
 from .loop_watch import LoopWatch, run_watched
 from .routing import ShardRouting
@@ -115,12 +116,14 @@ class WatchedServer(uvicorn.Server):
 
 def server_config(app: Any, *, lifespan: Literal["auto", "on", "off"]) -> uvicorn.Config:
     """uvicorn's configuration of every reference server and shard: quiet, and an idle
-    connection kept for ``SERVER_KEEP_ALIVE_S``, far past any client's pool expiry (D374)."""
+    connection kept for ``SERVER_KEEP_ALIVE_S``, far past any client's pool expiry (D374), and
+    never closed with a request waiting in it (D451)."""
     return uvicorn.Config(
         app,
         log_level="warning",
         access_log=False,
         lifespan=lifespan,
+        http=PatientH11Protocol,
         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )
 

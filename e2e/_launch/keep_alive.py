@@ -1,0 +1,55 @@
+"""uvicorn's HTTP/1.1 protocol, with a keep-alive close that first looks for a waiting request
+(D451).
+
+uvicorn arms a timer when it finishes a response and closes the connection when the timer fires,
+unless a request has been read from it by then. On a busy event loop the two are far apart: the
+timer's callback runs at the end of a batch of ready callbacks that may take seconds, and a
+request that reached the socket during that batch has not been read yet. uvicorn then closes a
+socket with unread data, the kernel answers the client with a reset, and a client that sent a
+whole request reads nothing back (``ReadError('')`` or "Server disconnected without sending a
+response"). The protocol below asks the socket first: a connection with bytes (or the client's
+close) waiting is left to the read that is already due, and the timer is armed again in case that
+read never comes.
+"""
+
+from __future__ import annotations
+
+import select
+from typing import Final
+
+import structlog
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+_log: Final = structlog.get_logger("midflight.serve")
+
+
+def _has_input(fileno: int) -> bool:
+    """Whether a read of this socket would return at once: bytes, or the peer's close. ``poll``,
+    not ``select``: a server with thousands of connections has descriptors past ``select``'s
+    1,024."""
+    if fileno < 0:
+        return False
+    poll = select.poll()
+    poll.register(fileno, select.POLLIN)
+    return bool(poll.poll(0))
+
+
+class PatientH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol whose keep-alive timer never closes a connection with input
+    waiting."""
+
+    def timeout_keep_alive_handler(self) -> None:
+        """Close the idle connection, unless its next request (or its close) has already arrived;
+        then check again after another keep-alive period."""
+        sock = self.transport.get_extra_info("socket")
+        if not self.transport.is_closing() and sock is not None and _has_input(sock.fileno()):
+            fired = self.timeout_keep_alive_task
+            late = 0.0 if fired is None else self.loop.time() - fired.when()
+            # Rare by design (a client idle for the whole keep-alive, then a late timer): worth
+            # a line, since it says a loop here was far behind.
+            _log.warning("keep_alive_close_deferred", late_s=round(late, 3))
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+            return
+        super().timeout_keep_alive_handler()

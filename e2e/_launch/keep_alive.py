@@ -38,18 +38,30 @@ class PatientH11Protocol(H11Protocol):
     """uvicorn's h11 protocol whose keep-alive timer never closes a connection with input
     waiting."""
 
+    _late: float | None = None
+    """How late the keep-alive timer ran when it last left this connection open; cleared once
+    the input it found has been read."""
+
     def timeout_keep_alive_handler(self) -> None:
         """Close the idle connection, unless its next request (or its close) has already arrived;
         then check again after another keep-alive period."""
         sock = self.transport.get_extra_info("socket")
         if not self.transport.is_closing() and sock is not None and _has_input(sock.fileno()):
             fired = self.timeout_keep_alive_task
-            late = 0.0 if fired is None else self.loop.time() - fired.when()
-            # Rare by design (a client idle for the whole keep-alive, then a late timer): worth
-            # a line, since it says a loop here was far behind.
-            _log.warning("keep_alive_close_deferred", late_s=round(late, 3))
+            self._late = 0.0 if fired is None else self.loop.time() - fired.when()
             self.timeout_keep_alive_task = self.loop.call_later(
                 self.timeout_keep_alive, self.timeout_keep_alive_handler
             )
             return
         super().timeout_keep_alive_handler()
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's, saying first when a request came in on a connection the keep-alive timer
+        would have closed (a client's close that the timer found says nothing: closing was
+        right)."""
+        if self._late is not None:
+            # Rare by design (a client idle for the whole keep-alive, then a late timer): worth
+            # a line, since it says a loop here was far behind and a request was kept.
+            _log.warning("keep_alive_close_deferred", late_s=round(self._late, 3))
+            self._late = None
+        super().data_received(data)

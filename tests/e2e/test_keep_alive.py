@@ -128,6 +128,34 @@ def test_a_late_keep_alive_timer_does_not_close_a_connection_with_a_request_wait
         assert deferred[0]["late_s"] >= 2.0  # the timer ran after both blocks
 
 
+def test_a_late_keep_alive_timer_that_finds_the_clients_close_ends_the_connection_quietly() -> None:
+    """The same late timer, but what waits in the socket is the client's close: the connection
+    ends as uvicorn's would, and no request-kept warning is logged."""
+    app = _App()
+    server_connections: set[object] = set()
+
+    class Watched(PatientH11Protocol):
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            server_connections.add(self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            super().connection_lost(exc)
+            server_connections.discard(self)
+
+    with capture_logs() as logs, _serving(app, Watched) as port:
+        connection = socket.create_connection(("127.0.0.1", port), timeout=15)
+        assert _exchange(connection, "/stall", port).startswith(b"HTTP/1.1 200")
+        assert len(server_connections) == 1
+        time.sleep(KEEP_ALIVE_S + 1.8)  # inside the second block, before the timer runs
+        connection.close()
+        deadline = time.monotonic() + 10
+        while server_connections:
+            assert time.monotonic() < deadline, "the server kept a connection its client closed"
+            time.sleep(0.05)
+    assert [e for e in logs if e["event"] == "keep_alive_close_deferred"] == []
+
+
 class _StallBeforeSending:
     """An httpcore trace callback that blocks the client's loop once, just before a request's
     first byte goes out: a task that took a pooled connection and ran late."""

@@ -160,11 +160,10 @@ def test_a_reference_server_keeps_an_idle_connection_well_past_five_seconds() ->
     """D374: the server's side of the margin. uvicorn's own default (5 s) would have closed this
     connection before its second request; the reference servers keep it for 30 s."""
     import socket
-    import threading
-
-    import uvicorn
 
     from e2e._launch.processes import server_config
+
+    from .threaded_server import serving_on_a_thread
 
     async def app(scope: dict[str, object], receive: object, send: object) -> None:
         assert scope["type"] == "http"
@@ -176,18 +175,7 @@ def test_a_reference_server_keeps_an_idle_connection_well_past_five_seconds() ->
         await send(start)  # type: ignore[operator]
         await send({"type": "http.response.body", "body": b"ok"})  # type: ignore[operator]
 
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen()
-    server = uvicorn.Server(server_config(app, lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "the server did not start within 10 s"
-            time.sleep(0.01)
-        port = listening.getsockname()[1]
+    with serving_on_a_thread(server_config(app, lifespan="off")) as port:
         request = f"GET / HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n\r\n".encode()
         with socket.create_connection(("127.0.0.1", port), timeout=10) as connection:
 
@@ -206,7 +194,3 @@ def test_a_reference_server_keeps_an_idle_connection_well_past_five_seconds() ->
             time.sleep(6.0)  # idle past uvicorn's default keep-alive
             connection.sendall(request)
             assert answered().startswith(b"HTTP/1.1 200")
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        listening.close()

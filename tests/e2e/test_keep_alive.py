@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,13 +25,14 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from structlog.testing import capture_logs
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from coordinator import http_transport
 from e2e._launch.keep_alive import PatientH11Protocol
 from e2e._launch.processes import server_config
+
+from .threaded_server import serving_on_a_thread
 
 KEEP_ALIVE_S = 1
 
@@ -61,26 +61,12 @@ class _App:
 
 @contextmanager
 def _serving(app: _App, protocol: type[H11Protocol]) -> Iterator[int]:
-    """A uvicorn server of the reference configuration, on another thread; yields its port."""
-    listening = socket.socket()
-    listening.bind(("127.0.0.1", 0))
-    listening.listen()
+    """A uvicorn server of the reference configuration with ``protocol``; yields its port."""
     config = server_config(app, lifespan="off")
     config.timeout_keep_alive = KEEP_ALIVE_S
     config.http = protocol
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline, "the server did not start within 10 s"
-            time.sleep(0.01)
-        yield listening.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        listening.close()
+    with serving_on_a_thread(config) as port:
+        yield port
 
 
 def _exchange(connection: socket.socket, path: str, port: int) -> bytes:

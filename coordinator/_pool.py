@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import select
 import socket
 import ssl
 import time
@@ -24,6 +23,7 @@ import structlog
 from httpcore._async.connection_pool import AsyncPoolRequest
 from httpcore._async.interfaces import AsyncConnectionInterface
 from httpcore._backends.base import SOCKET_OPTION as SocketOption
+from httpcore._utils import is_socket_readable
 
 Connection = AsyncConnectionInterface
 _log: Final = structlog.get_logger("midflight.http")
@@ -228,12 +228,7 @@ class _CheckedStream(httpcore.AsyncNetworkStream):
     def _closed_by_server(self) -> bool:
         if self._socket is None:
             return bool(self._stream.get_extra_info("is_readable"))
-        fileno = self._socket.fileno()
-        if fileno < 0:
-            return True  # closed here: the write fails as it would have, on another connection
-        poll = select.poll()
-        poll.register(fileno, select.POLLIN)
-        return bool(poll.poll(0))
+        return is_socket_readable(self._socket)
 
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
         data = await self._stream.read(max_bytes, timeout)

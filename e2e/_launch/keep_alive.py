@@ -14,24 +14,13 @@ read never comes.
 
 from __future__ import annotations
 
-import select
 from typing import Final
 
 import structlog
+from httpcore._utils import is_socket_readable
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 _log: Final = structlog.get_logger("midflight.serve")
-
-
-def _has_input(fileno: int) -> bool:
-    """Whether a read of this socket would return at once: bytes, or the peer's close. ``poll``,
-    not ``select``: a server with thousands of connections has descriptors past ``select``'s
-    1,024."""
-    if fileno < 0:
-        return False
-    poll = select.poll()
-    poll.register(fileno, select.POLLIN)
-    return bool(poll.poll(0))
 
 
 class PatientH11Protocol(H11Protocol):
@@ -46,7 +35,8 @@ class PatientH11Protocol(H11Protocol):
         """Close the idle connection, unless its next request (or its close) has already arrived;
         then check again after another keep-alive period."""
         sock = self.transport.get_extra_info("socket")
-        if not self.transport.is_closing() and sock is not None and _has_input(sock.fileno()):
+        # httpcore's readability check: ``poll``, so descriptors past 1,024 work too.
+        if not self.transport.is_closing() and sock is not None and is_socket_readable(sock):
             fired = self.timeout_keep_alive_task
             self._late = 0.0 if fired is None else self.loop.time() - fired.when()
             self.timeout_keep_alive_task = self.loop.call_later(

@@ -24,7 +24,7 @@ from participants import (
 from participants._ledger import sqlite_db
 from participants._ledger.group import PendingAppend
 from participants._ledger.removal import RETIRE_STEPS
-from protocols import RolloutRetiredError, custody_row, encode_row
+from protocols import RolloutRetiredError, custody_row, encode_row, failure_row
 
 from .ledger_factory import commit
 
@@ -390,3 +390,36 @@ async def test_retire_delete_and_import_are_a_few_statements_however_many_keys_t
         assert not live_ledger_keys(ledger.root)
     for name, (small, large) in counts.items():
         assert small == large <= 8, name
+
+
+async def test_many_rows_go_in_as_one_blob_of_their_lines_cut_in_bytes(
+    ledger: SqliteCaptureLedger, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An import and a group commit bind their rows' lines as one blob, never as text inside
+    JSON that both sides would escape and parse (D452); each stored line is exactly its row's."""
+    tricky = 'tab\there, newline\nthere, quote " back\\slash and \u00e9'  # a reason is free text
+    statements = _traced(ledger, monkeypatch)
+    keys = [f"b{index}" for index in range(40)]
+    ledgers = {
+        key: [custody_row(commit(key, 0, rollout=key)), failure_row("call-1", tricky * (i % 3))]
+        if i % 3
+        else [custody_row(commit(key, 0, rollout=key))]
+        for i, key in enumerate(keys)
+    }
+    await anyio.to_thread.run_sync(ledger.import_rows_many, ledgers)
+    imported = [encode_row(row) for key in keys for row in ledgers[key]]
+    group = _group([f"g{index}" for index in range(30)], 0)
+    ledger._commit_group(group)
+    appended = [item.line for item in group]
+    inserts = [sql for sql in statements if sql.startswith("INSERT INTO rows")]
+    assert len(inserts) == 2
+    for sql, lines in zip(inserts, (imported, appended), strict=True):
+        assert f"x'{b''.join(lines).hex()}'" in sql  # every line, in order, in one blob
+        assert '\\"' not in sql  # no line escaped into a JSON string
+    fresh = SqliteCaptureLedger(ledger.root)  # what is on disk, not what is cached
+    try:
+        assert fresh.export_rows_many(keys) == [ledgers[key] for key in keys]
+    finally:
+        fresh.close()
+    on_disk = stored(ledger, "SELECT line FROM rows ORDER BY seq")
+    assert [line for (line,) in on_disk] == imported + appended

@@ -208,6 +208,11 @@ class InProcessCluster:
                 stack.push_async_callback(self.coordinator.aclose)
             yield self
 
+    def transport_of(self, url: str) -> httpx.ASGITransport:
+        """The transport to a server of this cluster by its URL (``http://<role>``)."""
+        role: Role = url.removeprefix("http://")  # type: ignore[assignment]
+        return httpx.ASGITransport(app=self.apps[role])
+
     def plane(self, role: Role) -> ControlPlane:
         """The control plane of one server."""
         plane: ControlPlane = self.apps[role].state.plane

@@ -41,6 +41,11 @@ class ProcessCluster:
         self.workload = workload
         self.coordinator: Coordinator | None = None
 
+    @staticmethod
+    def transport_of(_url: str) -> None:
+        """Every server is reached over the network, on its own URL."""
+        return None
+
     @asynccontextmanager
     async def running(self) -> AsyncIterator[ProcessCluster]:
         """Start every server (dependencies first) and discover the participants; on every way

@@ -43,6 +43,7 @@ from .crashed_cluster import park_and_crash
 from .growth import add_growth, slopes, us_per_rollout
 from .process_cluster import ProcessCluster
 from .restore_servers import RestoreServers
+from .server_seconds import server_seconds
 
 SIZES: Final = (100, 1000, 4000)
 RESTORED_WORKLOAD: Final = Workload(activations=2, turns=1, max_tokens=128, token_delay_ms=0.0)
@@ -134,6 +135,8 @@ async def crash_restore_cycle(
             )
             await coordinator.resume("restore-1", time.time() + DEADLINE_SECONDS)
             restore_s = time.perf_counter() - begun
+        # Outside the timed span: which participant the restore waited for (D453).
+        by_server = await server_seconds(coordinator.members, "restore", second.transport_of)
         others = [EpisodeId(rollout_id=f"x{i:06d}") for i in range(max(1, rollouts // 4))]
         stage(f"{who} · retiring the attempts it did not continue ({len(others):,})")
         begun = time.perf_counter()
@@ -171,6 +174,7 @@ async def crash_restore_cycle(
         "checkpoint_bytes": size,
         "files": files,
         "restore_s": restore_s,
+        "server_restore_s": by_server,
         "floor_s": floor_s,
         "floor_samples_s": [round(sample, 6) for sample in floor_samples],
         "ratio": ratio(restore_s, floor_s),
@@ -223,6 +227,10 @@ def run_restore_bench(
             row = dict(cycles[-1])
             for name in ("restore_s", "floor_s", "retire_s"):
                 row[name] = median([cycle[name] for cycle in cycles])
+            row["server_restore_s"] = {
+                name: median([cycle["server_restore_s"][name] for cycle in cycles])
+                for name in cycles[-1]["server_restore_s"]
+            }
             row["floor_samples_s"] = [s for cycle in cycles for s in cycle["floor_samples_s"]]
             row["ratio"] = ratio(row["restore_s"], row["floor_s"])
             row["restored"] = min(cycle["restored"] for cycle in cycles)

@@ -293,6 +293,9 @@ def add_suite_commands(bench: typer.Typer) -> None:
                 ],
             )
             _print_slopes(payload["slopes"])
+            for row in payload["rows"]:
+                own = ", ".join(f"{n} {s:.3f} s" for n, s in row["server_restore_s"].items())
+                console.print(f"{row['rollouts']:,} rollouts, each server's own restore: {own}")
             console.print(f"floor: {payload['floor']}")
 
         emit_bench(payload, as_json=as_json, render=render)

@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from prometheus_client import generate_latest
 from typer.testing import CliRunner
 
 from coordinator import read_latest
@@ -25,7 +26,8 @@ from e2e._bench.restore import (
     read_and_write_floor,
     sampled_floor,
 )
-from participants import live_ledger_keys
+from e2e._bench.server_seconds import seconds_in
+from participants import ControlTelemetry, live_ledger_keys
 
 runner = CliRunner()
 
@@ -43,6 +45,11 @@ def test_bench_restore_restores_every_parked_rollout_beside_its_floor(tmp_path: 
     assert row["restore_s"] > 0 and row["floor_s"] > 0 and row["ratio"] > 0
     assert row["us_per_rollout"] == round(row["restore_s"] / 3 * 1e6, 1)
     assert row["retired"] == 1 and row["retire_s"] > 0  # a quarter of 3, at least one (D389)
+    # Each participant server's own restore, read from its /metrics, inside the wall (D453).
+    own = row["server_restore_s"]
+    assert set(own) == {"environment", "policy", "agent", "resources"}
+    assert all(0 < seconds <= row["restore_s"] for seconds in own.values()), own
+    assert "each server's own restore" not in result.stdout  # JSON only
     assert "read every file" in payload["floor"]
     # The floor is the median of its samples, each one reported (D445).
     samples = row["floor_samples_s"]
@@ -147,6 +154,9 @@ async def test_a_restore_into_a_process_per_server_runs_on_real_servers_gone_aft
     row = await crash_restore_cycle(tmp_path, 3, finish=False, servers="processes")
     assert row["servers"] == "processes"
     assert row["restored"] == 3 and row["retired"] == 1 and row["restore_s"] > 0
+    own = row["server_restore_s"]  # read from each server process's /metrics (D453)
+    assert set(own) == {"environment", "policy", "agent", "resources"}, own
+    assert all(0 < seconds <= row["restore_s"] for seconds in own.values()), own
     logs = tmp_path / "run" / "logs"
     restored_in = {
         path.name for path in logs.glob("*-0.log") if "checkpoint.restore" in path.read_text()
@@ -205,3 +215,16 @@ def test_each_floor_sample_writes_every_byte_into_a_directory_removed_before_the
     # No copy is left beside the next one: each sample writes into room the last one freed.
     assert seen == [[], [], []]
     assert list((tmp_path / "floor").iterdir()) == []
+
+
+def test_a_servers_restore_seconds_are_its_restores_of_every_outcome_and_nothing_else() -> None:
+    """D453 reads the histogram every participant server keeps, as Prometheus would."""
+    telemetry = ControlTelemetry("model", "policy")
+    telemetry.operation("restore", outcome="ok", seconds=0.25)
+    telemetry.operation("restore", outcome="refused", seconds=0.125, code="checkpoint_conflict")
+    telemetry.operation("commit", outcome="ok", seconds=4.0)
+    telemetry.operation("resume", outcome="ok", seconds=8.0)
+    text = generate_latest(telemetry.registry).decode()
+    assert seconds_in(text, "restore") == 0.375
+    assert seconds_in(text, "commit") == 4.0
+    assert seconds_in(text, "retire") == 0.0

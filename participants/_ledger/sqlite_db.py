@@ -48,7 +48,12 @@ CREATE INDEX IF NOT EXISTS marks_by_rollout ON marks (rollout, attempt);
 """
 
 READ_MANY_KEYS: Final = 500
-"""Keys per statement of the reads below: bounds the text one statement returns."""
+"""Keys per statement of the reads that return rows: bounds the text one statement returns."""
+WRITE_MANY_KEYS: Final = 65_536
+"""Keys per statement of the writes (marks, deletes, an import's wipe) and of the reads that
+return keys alone. Each statement is a cursor step, and a step beside a busy event loop can wait
+the switch interval for the GIL; these return at most their keys, so one statement takes a
+whole restore or retire (D454)."""
 INSERT_MANY_ROWS: Final = 2048
 """Rows per statement of :func:`insert_rows`."""
 
@@ -102,6 +107,11 @@ def _batches(items: Sequence[Any], size: int | None = None) -> Iterator[str]:
         yield json.dumps(list(items[start : start + size]))
 
 
+def _write_batches(items: Sequence[Any]) -> Iterator[str]:
+    """``_batches`` of ``WRITE_MANY_KEYS``, looked up when called."""
+    return _batches(items, WRITE_MANY_KEYS)
+
+
 def _inserted(seq: int | None) -> int:
     if seq is None:
         raise RuntimeError("an insert reported no sequence number")
@@ -143,18 +153,18 @@ def read_ledgers(conn: sqlite3.Connection, keys: Sequence[str]) -> list[list[dic
 
 
 def fenced_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` carry a fence, one statement per 500 keys."""
+    """Which of ``keys`` carry a fence, in one statement."""
     return _marked(conn, _FENCED_MANY, keys)
 
 
 def started_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` carry a start marker, one statement per 500 keys."""
+    """Which of ``keys`` carry a start marker, in one statement."""
     return _marked(conn, _STARTED_MANY, keys)
 
 
 def _marked(conn: sqlite3.Connection, statement: str, keys: Sequence[str]) -> set[str]:
     found: set[str] = set()
-    for chunk in _batches(keys):
+    for chunk in _write_batches(keys):
         (text,) = conn.execute(statement, (chunk,)).fetchone()
         found.update(text.split("\t") if text else ())
     return found
@@ -185,13 +195,13 @@ _WIPE_MARKS: Final = (
 
 
 def keys_with_rows(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` have at least one row, one statement per 500 keys."""
+    """Which of ``keys`` have at least one row, in one statement."""
     return _marked(conn, _KEYS_WITH_ROWS, keys)
 
 
 def delete_keys(conn: sqlite3.Connection, keys: Sequence[str], *, marks: bool) -> None:
-    """Delete the rows (and with ``marks`` the marks) of ``keys``, one statement per 500."""
-    for chunk in _batches(keys):
+    """Delete the rows (and with ``marks`` the marks) of ``keys``, one statement for all."""
+    for chunk in _write_batches(keys):
         conn.execute(_DELETE_ROWS, (chunk,))
         if marks:
             conn.execute(_DELETE_MARKS, (chunk,))
@@ -199,13 +209,13 @@ def delete_keys(conn: sqlite3.Connection, keys: Sequence[str], *, marks: bool) -
 
 def upsert_marks(conn: sqlite3.Connection, marks: Sequence[tuple[str, str, int, int, int]]) -> None:
     """Set ``(key, rollout, attempt, fenced, started)`` marks; a set flag is never cleared."""
-    for chunk in _batches(marks):
+    for chunk in _write_batches(marks):
         conn.execute(_MARK_MANY, (chunk,))
 
 
 def wipe_attempts(conn: sqlite3.Connection, floors: Sequence[tuple[str, int]]) -> None:
     """Delete the rows and marks of every ``(rollout, attempt)`` and of its later attempts."""
-    for chunk in _batches(floors):
+    for chunk in _write_batches(floors):
         conn.execute(_WIPE_ROWS, (chunk,))
         conn.execute(_WIPE_MARKS, (chunk,))
 

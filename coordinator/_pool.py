@@ -257,6 +257,14 @@ class _CheckedStream(httpcore.AsyncNetworkStream):
         return _CheckedStream(await self._stream.start_tls(ssl_context, server_hostname, timeout))
 
     def get_extra_info(self, info: str) -> Any:
+        # The kept socket answers what httpcore asks at every reuse (``has_expired()``). anyio
+        # answers any question about a socket by first building every attribute it has, and
+        # the peer's address among them is a ``getpeername`` (D455).
+        if self._socket is not None:
+            if info == "is_readable":
+                return is_socket_readable(self._socket)
+            if info == "socket":
+                return self._socket
         return self._stream.get_extra_info(info)
 
 

@@ -4,13 +4,16 @@ it, and idle connections are kept while hundreds are busy. Real sockets on 127.0
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
 
+import anyio.abc._sockets
 import httpcore
 import httpx
 import pytest
 
+import coordinator._pool
 from coordinator import http_transport
 from coordinator._pool import LinearConnectionPool
 from e2e._servers.peer_pool import peer_transport
@@ -203,17 +206,19 @@ async def test_a_pass_asks_no_idle_socket_whether_the_server_closed_it(
     """D407: ``has_expired()`` on the oldest idle connection, on every pass, asked its socket
     whether it was readable (``getpeername`` and a ``poll``, two system calls). In the 4,000
     drill's baseline that was an eighth of the samples of the servers' stalled event loops.
-    Only a connection about to be reused is asked now."""
+    Only a connection about to be reused is asked now: when it is taken, and again at the
+    first write of its request (D451)."""
     asked = 0
-    stream_class = httpcore._backends.anyio.AnyIOStream
-    original = stream_class.get_extra_info
+    real_poll = coordinator._pool.is_socket_readable
 
-    def counted(self: object, info: str) -> object:
+    def counted(sock: socket.socket | None) -> bool:
         nonlocal asked
-        asked += info == "is_readable"
-        return original(self, info)  # type: ignore[arg-type]
+        asked += 1
+        return real_poll(sock)
 
-    monkeypatch.setattr(stream_class, "get_extra_info", counted)
+    # Every question reaches one of these two polls: the kept socket's (D451, D455) or httpcore's.
+    monkeypatch.setattr(coordinator._pool, "is_socket_readable", counted)
+    monkeypatch.setattr(httpcore._backends.anyio, "is_socket_readable", counted)
     during: list[int] = []
 
     def start() -> None:
@@ -222,5 +227,33 @@ async def test_a_pass_asks_no_idle_socket_whether_the_server_closed_it(
 
     opened = await _twenty_calls_beside_a_hundred_busy(start, lambda: during.append(asked))
     assert opened == 1
-    # The 19 reuses of the one idle connection ask once each; the 40 passes ask nothing.
-    assert during[0] <= 20, f"20 calls asked an idle socket {during[0]} times"
+    # The 19 reuses of the one idle connection ask twice each; the 40 passes ask nothing.
+    assert 19 <= during[0] <= 2 * 20, f"20 calls asked an idle socket {during[0]} times"
+
+
+async def test_a_reused_connection_is_asked_about_through_its_kept_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """D455: anyio answers any question about a socket by building all of its attributes, the
+    peer's address among them (a ``getpeername``). ``has_expired()`` asked that way at every
+    reuse: 69 of the 1,123 samples of the stalled loops of a 4,000 drill. The stream now answers
+    from the socket it kept, so only opening a connection builds them."""
+    built = 0
+    provider = anyio.abc._sockets._SocketProvider
+    real = provider.extra_attributes
+
+    def counting(self: object) -> object:
+        nonlocal built
+        built += 1
+        return real.fget(self)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(provider, "extra_attributes", property(counting))
+    during: list[int] = []
+
+    def start() -> None:
+        nonlocal built
+        built = 0
+
+    opened = await _twenty_calls_beside_a_hundred_busy(start, lambda: during.append(built))
+    assert opened == 1
+    assert during[0] <= 3, f"20 calls on one connection built its attributes {during[0]} times"

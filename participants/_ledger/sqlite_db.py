@@ -107,11 +107,6 @@ def _batches(items: Sequence[Any], size: int | None = None) -> Iterator[str]:
         yield json.dumps(list(items[start : start + size]))
 
 
-def _write_batches(items: Sequence[Any]) -> Iterator[str]:
-    """``_batches`` of ``WRITE_MANY_KEYS``, looked up when called."""
-    return _batches(items, WRITE_MANY_KEYS)
-
-
 def _inserted(seq: int | None) -> int:
     if seq is None:
         raise RuntimeError("an insert reported no sequence number")
@@ -153,18 +148,18 @@ def read_ledgers(conn: sqlite3.Connection, keys: Sequence[str]) -> list[list[dic
 
 
 def fenced_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` carry a fence, in one statement."""
+    """Which of ``keys`` carry a fence, one statement per ``WRITE_MANY_KEYS`` keys."""
     return _marked(conn, _FENCED_MANY, keys)
 
 
 def started_keys(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` carry a start marker, in one statement."""
+    """Which of ``keys`` carry a start marker, one statement per ``WRITE_MANY_KEYS`` keys."""
     return _marked(conn, _STARTED_MANY, keys)
 
 
 def _marked(conn: sqlite3.Connection, statement: str, keys: Sequence[str]) -> set[str]:
     found: set[str] = set()
-    for chunk in _write_batches(keys):
+    for chunk in _batches(keys, WRITE_MANY_KEYS):
         (text,) = conn.execute(statement, (chunk,)).fetchone()
         found.update(text.split("\t") if text else ())
     return found
@@ -195,13 +190,14 @@ _WIPE_MARKS: Final = (
 
 
 def keys_with_rows(conn: sqlite3.Connection, keys: Sequence[str]) -> set[str]:
-    """Which of ``keys`` have at least one row, in one statement."""
+    """Which of ``keys`` have at least one row, one statement per ``WRITE_MANY_KEYS`` keys."""
     return _marked(conn, _KEYS_WITH_ROWS, keys)
 
 
 def delete_keys(conn: sqlite3.Connection, keys: Sequence[str], *, marks: bool) -> None:
-    """Delete the rows (and with ``marks`` the marks) of ``keys``, one statement for all."""
-    for chunk in _write_batches(keys):
+    """Delete the rows (and with ``marks`` the marks) of ``keys``, one statement per
+    ``WRITE_MANY_KEYS``."""
+    for chunk in _batches(keys, WRITE_MANY_KEYS):
         conn.execute(_DELETE_ROWS, (chunk,))
         if marks:
             conn.execute(_DELETE_MARKS, (chunk,))
@@ -209,13 +205,13 @@ def delete_keys(conn: sqlite3.Connection, keys: Sequence[str], *, marks: bool) -
 
 def upsert_marks(conn: sqlite3.Connection, marks: Sequence[tuple[str, str, int, int, int]]) -> None:
     """Set ``(key, rollout, attempt, fenced, started)`` marks; a set flag is never cleared."""
-    for chunk in _write_batches(marks):
+    for chunk in _batches(marks, WRITE_MANY_KEYS):
         conn.execute(_MARK_MANY, (chunk,))
 
 
 def wipe_attempts(conn: sqlite3.Connection, floors: Sequence[tuple[str, int]]) -> None:
     """Delete the rows and marks of every ``(rollout, attempt)`` and of its later attempts."""
-    for chunk in _write_batches(floors):
+    for chunk in _batches(floors, WRITE_MANY_KEYS):
         conn.execute(_WIPE_ROWS, (chunk,))
         conn.execute(_WIPE_MARKS, (chunk,))
 

@@ -4,9 +4,9 @@ it, and idle connections are kept while hundreds are busy. Real sockets on 127.0
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, suppress
+from typing import Any
 
 import anyio.abc._sockets
 import httpcore
@@ -200,6 +200,30 @@ async def test_a_pass_hands_back_at_most_two_connections_to_close() -> None:
         assert (await client.get("/quick")).status_code == 200  # a new connection
 
 
+class _Tally:
+    """Counts the calls of what it wraps during ``_twenty_calls_beside_a_hundred_busy``'s 20."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.during: list[int] = []
+
+    def wrap(self, real: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any) -> Any:
+            self.calls += 1
+            return real(*args)
+
+        return counted
+
+    def _start(self) -> None:
+        self.calls = 0
+
+    async def twenty_calls(self) -> int:
+        """The 20 calls; the connections they opened (the count is in ``during[0]``)."""
+        return await _twenty_calls_beside_a_hundred_busy(
+            self._start, lambda: self.during.append(self.calls)
+        )
+
+
 async def test_a_pass_asks_no_idle_socket_whether_the_server_closed_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -208,26 +232,14 @@ async def test_a_pass_asks_no_idle_socket_whether_the_server_closed_it(
     drill's baseline that was an eighth of the samples of the servers' stalled event loops.
     Only a connection about to be reused is asked now: when it is taken, and again at the
     first write of its request (D451)."""
-    asked = 0
-    real_poll = coordinator._pool.is_socket_readable
-
-    def counted(sock: socket.socket | None) -> bool:
-        nonlocal asked
-        asked += 1
-        return real_poll(sock)
-
+    asked = _Tally()
     # Every question reaches one of these two polls: the kept socket's (D451, D455) or httpcore's.
-    monkeypatch.setattr(coordinator._pool, "is_socket_readable", counted)
-    monkeypatch.setattr(httpcore._backends.anyio, "is_socket_readable", counted)
-    during: list[int] = []
-
-    def start() -> None:
-        nonlocal asked
-        asked = 0
-
-    opened = await _twenty_calls_beside_a_hundred_busy(start, lambda: during.append(asked))
+    for module in (coordinator._pool, httpcore._backends.anyio):
+        monkeypatch.setattr(module, "is_socket_readable", asked.wrap(module.is_socket_readable))
+    opened = await asked.twenty_calls()
     assert opened == 1
     # The 19 reuses of the one idle connection ask twice each; the 40 passes ask nothing.
+    during = asked.during
     assert 19 <= during[0] <= 2 * 20, f"20 calls asked an idle socket {during[0]} times"
 
 
@@ -238,22 +250,11 @@ async def test_a_reused_connection_is_asked_about_through_its_kept_socket(
     peer's address among them (a ``getpeername``). ``has_expired()`` asked that way at every
     reuse: 69 of the 1,123 samples of the stalled loops of a 4,000 drill. The stream now answers
     from the socket it kept, so only opening a connection builds them."""
-    built = 0
+    built = _Tally()
     provider = anyio.abc._sockets._SocketProvider
-    real = provider.extra_attributes
-
-    def counting(self: object) -> object:
-        nonlocal built
-        built += 1
-        return real.fget(self)  # type: ignore[attr-defined]
-
-    monkeypatch.setattr(provider, "extra_attributes", property(counting))
-    during: list[int] = []
-
-    def start() -> None:
-        nonlocal built
-        built = 0
-
-    opened = await _twenty_calls_beside_a_hundred_busy(start, lambda: during.append(built))
+    real = provider.extra_attributes.fget  # type: ignore[attr-defined]
+    monkeypatch.setattr(provider, "extra_attributes", property(built.wrap(real)))
+    opened = await built.twenty_calls()
     assert opened == 1
+    during = built.during
     assert during[0] <= 3, f"20 calls on one connection built its attributes {during[0]} times"

@@ -10,13 +10,11 @@ without app-level exception handlers (the policy server mounts this router as it
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel, ValidationError
 
 from protocols import (
     LEDGER_CONTROL_PREFIX,
@@ -48,6 +46,11 @@ _BATCH_BODY: dict[str, Any] = {
 def _check_token(request: Request, token: str) -> None:
     if not authorized(request.headers.get("authorization"), token):
         raise UnauthorizedError("missing or invalid capture-ledger bearer token")
+
+
+def _reply(result: BaseModel) -> Response:
+    """``result`` as the JSON body pydantic writes for it, encoded once (D456)."""
+    return Response(result.model_dump_json(), media_type="application/json")
 
 
 async def _batch(request: Request) -> list[str]:
@@ -86,8 +89,8 @@ def ledger_control_router(
 
     def removal_route(
         operation: Callable[[list[str]], Awaitable[RolloutRemoval]],
-    ) -> Callable[[Request], Awaitable[JSONResponse]]:
-        async def handler(request: Request) -> JSONResponse:
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(request: Request) -> Response:
             try:
                 _check_token(request, capture_token)
                 ids = await _batch(request)
@@ -97,7 +100,7 @@ def ledger_control_router(
                 result = await operation(keys)
             except WireError as exc:
                 return error_response(exc)
-            return JSONResponse(result.model_dump(mode="json"))
+            return _reply(result)
 
         return handler
 
@@ -125,13 +128,13 @@ def ledger_control_router(
         summary="The manifest of one capture key",
         responses=error_responses(("invalid_rollout_id", "rollout_retired")),
     )
-    async def manifest(rollout_id: str, request: Request) -> JSONResponse:
+    async def manifest(rollout_id: str, request: Request) -> Response:
         try:
             _check_token(request, capture_token)
             key = validate_ledger_key(rollout_id)
             result = await ledger.manifest(key)
         except WireError as exc:
             return error_response(exc)
-        return JSONResponse(json.loads(result.model_dump_json()))
+        return _reply(result)
 
     return router

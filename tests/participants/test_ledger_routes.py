@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI
 
 from participants import FileCaptureLedger, ledger_control_router
-from protocols import LEDGER_CONTROL_PREFIX, MAX_LEDGER_BATCH
+from protocols import LEDGER_CONTROL_PREFIX, MAX_LEDGER_BATCH, RolloutManifest
 
 from .ledger_factory import commit
 
@@ -126,8 +126,9 @@ async def test_an_open_checkpoint_refuses_removal_with_409(harness: Harness) -> 
 
 async def test_manifest_route_live_absent_retired_and_invalid(harness: Harness) -> None:
     live = await harness.client.get("/rollouts/r1/manifest", headers=AUTH)
-    assert live.status_code == 200
+    assert live.status_code == 200 and live.headers["content-type"] == "application/json"
     body = live.json()
+    assert live.content == RolloutManifest.model_validate(body).model_dump_json().encode()
     assert body["rollout_id"] == "r1" and [r["model_call_id"] for r in body["records"]] == [
         "call-0"
     ]

@@ -14,18 +14,35 @@ read never comes.
 
 from __future__ import annotations
 
-from typing import Final
+import asyncio
+from typing import TYPE_CHECKING, Final
 
 import structlog
 from httpcore._utils import is_socket_readable
 from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 _log: Final = structlog.get_logger("midflight.serve")
 
+# Both of uvicorn's HTTP/1.1 protocols keep the timer, the transport and the loop under the same
+# names; the mixin is checked against one of them and placed before either.
+if TYPE_CHECKING:
 
-class PatientH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol whose keep-alive timer never closes a connection with input
-    waiting."""
+    class _Protocol:
+        transport: asyncio.Transport
+        loop: asyncio.AbstractEventLoop
+        timeout_keep_alive: int
+        timeout_keep_alive_task: asyncio.TimerHandle | None
+
+        def timeout_keep_alive_handler(self) -> None: ...
+        def data_received(self, data: bytes) -> None: ...
+
+else:
+    _Protocol = object
+
+
+class _PatientKeepAlive(_Protocol):
+    """A keep-alive timer that never closes a connection with input waiting."""
 
     _late: float | None = None
     """How late the keep-alive timer ran when it last left this connection open; cleared once
@@ -55,3 +72,12 @@ class PatientH11Protocol(H11Protocol):
             _log.warning("keep_alive_close_deferred", late_s=round(self._late, 3))
             self._late = None
         super().data_received(data)
+
+
+class PatientH11Protocol(_PatientKeepAlive, H11Protocol):
+    """uvicorn's h11 protocol (pure Python) with the patient keep-alive."""
+
+
+class PatientHttpToolsProtocol(_PatientKeepAlive, HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C) with the patient keep-alive: what the
+    reference servers run (D457)."""

@@ -47,7 +47,7 @@ from participants import (
 from .._servers.context import HOST, ServeContext, control_settings
 from .._servers.peer_pool import SERVER_KEEP_ALIVE_S
 from .hosting import announce_listening, on_main_thread, serve_argv
-from .keep_alive import PatientH11Protocol
+from .keep_alive import PatientHttpToolsProtocol
 from .lifeline import Lifeline
 from .loop_watch import LoopWatch, run_watched
 from .routing import ShardRouting
@@ -123,7 +123,7 @@ def server_config(app: Any, *, lifespan: Literal["auto", "on", "off"]) -> uvicor
         log_level="warning",
         access_log=False,
         lifespan=lifespan,
-        http=PatientH11Protocol,
+        http=PatientHttpToolsProtocol,
         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
     )
 

@@ -1,5 +1,5 @@
-"""uvicorn's HTTP/1.1 protocol, with a keep-alive close that first looks for a waiting request
-(D451).
+"""uvicorn's HTTP/1.1 protocols, httptools' (what the servers run, D457) and h11's, with a
+keep-alive close that first looks for a waiting request (D451).
 
 uvicorn arms a timer when it finishes a response and closes the connection when the timer fires,
 unless a request has been read from it by then. On a busy event loop the two are far apart: the
@@ -7,7 +7,7 @@ timer's callback runs at the end of a batch of ready callbacks that may take sec
 request that reached the socket during that batch has not been read yet. uvicorn then closes a
 socket with unread data, the kernel answers the client with a reset, and a client that sent a
 whole request reads nothing back (``ReadError('')`` or "Server disconnected without sending a
-response"). The protocol below asks the socket first: a connection with bytes (or the client's
+response"). The protocols below ask the socket first: a connection with bytes (or the client's
 close) waiting is left to the read that is already due, and the timer is armed again in case that
 read never comes.
 """

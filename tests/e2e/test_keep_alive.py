@@ -201,7 +201,7 @@ async def test_a_request_that_reaches_a_closed_pooled_connection_late_goes_on_an
 
 
 def test_every_reference_server_parses_http_with_httptools_and_the_patient_keep_alive() -> None:
-    """D457: llhttp, in C, instead of h11's pure Python (about 12 % of a resources server's CPU
+    """D457: llhttp, in C, instead of h11's pure Python (about 14 % of a resources server's CPU
     a tool call), with D451's keep-alive kept."""
     assert server_config(_App(), lifespan="off").http is PatientHttpToolsProtocol
 
